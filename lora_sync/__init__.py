@@ -1,0 +1,14 @@
+"""lora-sync core: engine-agnostic wire format, naming, checks and the trainer client.
+
+Imports no inference engine."""
+from .adapter import LoRAAdapter, ModelSpec, check_adapter
+from .client import LoRASyncClient, PushResult, Server
+from .errors import (BadAdapter, LoRASyncError, NotFound, PayloadTooLarge, TransferFailed,
+                     Unauthorized, VersionConflict)
+from .naming import VersionBook, split_versioned, versioned
+
+__all__ = ["LoRAAdapter", "ModelSpec", "check_adapter", "LoRASyncClient", "PushResult",
+           "Server", "BadAdapter", "LoRASyncError", "NotFound", "PayloadTooLarge",
+           "TransferFailed", "Unauthorized", "VersionConflict", "VersionBook",
+           "split_versioned", "versioned"]
+__version__ = "0.1.0"

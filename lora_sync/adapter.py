@@ -1,0 +1,222 @@
+"""The adapter value that travels from trainer to workers: PEFT-named tensors + PEFT config.
+
+Also the checks that decide, from the header alone, whether a base model can serve it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from . import wire
+from .errors import BadAdapter
+
+# Header metadata keys of the wire format (docs/protocol.md).
+META_NAME, META_CONFIG, META_VERSION, META_CHECKSUM = (
+    "lora_name", "adapter_config", "version", "checksum")
+
+_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])"
+                       r"(?:\.default)?\.weight$")
+
+
+def parse_peft_key(key: str) -> tuple[str, str]:
+    """'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight' -> ('model.layers.0.mlp.up_proj', 'A')."""
+    if "lora_embedding" in key or "modules_to_save" in key or "lora_magnitude" in key:
+        what = ("embedding LoRA" if "lora_embedding" in key else
+                "modules_to_save" if "modules_to_save" in key else "DoRA magnitude")
+        raise BadAdapter(f"tensor {key!r}: {what} weights are not supported; only "
+                         "lora_A/lora_B of linear layers can be synced", code="unsupported_module")
+    m = _PEFT_KEY.match(key)
+    if not m:
+        raise BadAdapter(f"tensor {key!r} is not a PEFT LoRA weight name "
+                         "(expected '<module>.lora_A.weight' or '<module>.lora_B.weight')",
+                         code="unknown_tensor")
+    return m["module"], m["half"]
+
+
+def _jsonable(x):
+    if isinstance(x, (set, frozenset, tuple)):
+        return sorted(x) if isinstance(x, (set, frozenset)) else list(x)
+    if hasattr(x, "value"):  # enums such as TaskType
+        return x.value
+    return str(x)
+
+
+@dataclass
+class LoRAAdapter:
+    """A LoRA adapter: tensors keyed by PEFT names and the PEFT adapter_config dict."""
+    tensors: dict[str, torch.Tensor]
+    config: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.config = normalize_config(self.config, self.tensors.keys())
+
+    @classmethod
+    def from_peft_model(cls, model, adapter_name: str = "default") -> "LoRAAdapter":
+        from peft import get_peft_model_state_dict
+        state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+        config = model.peft_config[adapter_name].to_dict()
+        return cls({k: v.detach() for k, v in state.items()}, config)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "LoRAAdapter":
+        """Reads a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+        from safetensors.torch import load_file
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+        return cls(load_file(os.path.join(path, "adapter_model.safetensors")), config)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the adapter as a PEFT directory that vLLM/SGLang load from disk."""
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(self.config, f)
+        with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+            for chunk in wire.encode(self.tensors, {"format": "pt"}):
+                f.write(chunk)
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def specs(self) -> list[wire.TensorSpec]:
+        return [wire.TensorSpec.of(k, t) for k, t in self.tensors.items()]
+
+    def checksum(self) -> str:
+        """sha256 over tensor names and bytes in order: what the server recomputes."""
+        return tensors_checksum(self.tensors)
+
+    def metadata(self, name: str, version: int | None = None,
+                 with_checksum: bool = False) -> dict[str, str]:
+        meta = {META_NAME: name, META_CONFIG: json.dumps(self.config)}
+        if version is not None:
+            meta[META_VERSION] = str(int(version))
+        if with_checksum:
+            meta[META_CHECKSUM] = self.checksum()
+        return meta
+
+    def encode(self, name: str, version: int | None = None, with_checksum: bool = False):
+        """The HTTP body as a list of chunks (header, then zero-copy tensor views)."""
+        return wire.encode(self.tensors, self.metadata(name, version, with_checksum))
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name, t in tensors.items():
+        h.update(name.encode())
+        h.update(wire._as_bytes(t))
+    return "sha256:" + h.hexdigest()
+
+
+def normalize_config(config: dict, tensor_names) -> dict:
+    """A JSON-safe PEFT config with `target_modules` as an explicit sorted list.
+
+    PEFT's 'all-linear' (and a config that lost its list) becomes the module base names
+    that actually carry tensors, which is what both engines need."""
+    if not isinstance(config, dict):
+        raise BadAdapter("adapter_config must be a JSON object", code="bad_config")
+    cfg = json.loads(json.dumps(config, default=_jsonable))
+    targets = cfg.get("target_modules")
+    if targets == "all-linear" or targets is None:
+        bases = set()
+        for key in tensor_names:
+            module, _ = parse_peft_key(key)
+            bases.add(module.rsplit(".", 1)[-1])
+        cfg["target_modules"] = sorted(bases)
+    elif isinstance(targets, str):
+        raise BadAdapter(f"adapter_config target_modules is the pattern {targets!r}; send an "
+                         "explicit list of module names (or 'all-linear')", code="bad_config")
+    elif isinstance(targets, list):
+        cfg["target_modules"] = sorted(set(map(str, targets)))
+    else:
+        raise BadAdapter("adapter_config target_modules must be a list of names",
+                         code="bad_config")
+    return cfg
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a base model can take: (in_features, out_features) of each LoRA-able linear
+    layer, keyed by its Hugging Face module name (the names PEFT keys use)."""
+    linear: dict[str, tuple[int, int]]
+    max_rank: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config, max_rank: int,
+                       exclude: tuple[str, ...] = ("lm_head",)) -> "ModelSpec":
+        """Builds the model on the meta device (no memory, no weights) to read its layers."""
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        linear = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in exclude}
+        return cls(linear, max_rank)
+
+    def has_target(self, target: str) -> bool:
+        """PEFT matches a target_modules entry against module-name suffixes."""
+        return any(n == target or n.endswith("." + target) for n in self.linear)
+
+    @property
+    def module_bases(self) -> set[str]:
+        return {n.rsplit(".", 1)[-1] for n in self.linear}
+
+
+def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) -> dict:
+    """Checks that `model` can serve an adapter with these tensors and config, from the header
+    alone (before any tensor data is read). Returns the normalized config."""
+    if not specs:
+        raise BadAdapter("the adapter has no tensors", code="empty_adapter")
+    cfg = normalize_config(config, [s.name for s in specs])
+    for flag, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save")):
+        if cfg.get(flag):
+            raise BadAdapter(f"adapter_config uses {what}, which lora-sync cannot serve",
+                             code="unsupported_module")
+    try:
+        r = int(cfg["r"])
+        float(cfg["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadAdapter("adapter_config needs an integer 'r' and a numeric 'lora_alpha'",
+                         code="bad_config") from e
+    if r <= 0:
+        raise BadAdapter(f"adapter_config r={r} must be positive", code="bad_config")
+    if r > model.max_rank:
+        raise BadAdapter(f"adapter rank {r} is above the server's max LoRA rank "
+                         f"{model.max_rank} (--max-lora-rank)", code="rank_too_large")
+    unknown = sorted(t for t in cfg["target_modules"] if not model.has_target(t))
+    if unknown:
+        raise BadAdapter(f"adapter_config target_modules {unknown} are not linear layers of "
+                         f"the base model (it has {sorted(model.module_bases)})",
+                         code="unknown_module")
+    halves: dict[str, dict[str, tuple]] = {}
+    for s in specs:
+        module, half = parse_peft_key(s.name)
+        if module not in model.linear:
+            raise BadAdapter(f"tensor {s.name!r}: the base model has no LoRA-able module "
+                             f"{module!r}", code="unknown_module")
+        if len(s.shape) != 2:
+            raise BadAdapter(f"tensor {s.name!r} must be 2-D, got shape {list(s.shape)}",
+                             code="bad_shape")
+        halves.setdefault(module, {})[half] = s.shape
+    for module, h in halves.items():
+        if set(h) != {"A", "B"}:
+            missing = ({"A", "B"} - set(h)).pop()
+            raise BadAdapter(f"module {module!r} has no lora_{missing} tensor",
+                             code="missing_tensor")
+        fan_in, fan_out = model.linear[module]
+        (ra, a_in), (b_out, rb) = h["A"], h["B"]
+        if a_in != fan_in or b_out != fan_out or ra != rb:
+            raise BadAdapter(
+                f"module {module!r}: lora_A {list(h['A'])} / lora_B {list(h['B'])} do not fit "
+                f"the base layer (in={fan_in}, out={fan_out}); expected A [r, {fan_in}] and "
+                f"B [{fan_out}, r]", code="bad_shape")
+        if ra > model.max_rank:
+            raise BadAdapter(f"module {module!r} has rank {ra}, above the server's max LoRA "
+                             f"rank {model.max_rank}", code="rank_too_large")
+    return cfg

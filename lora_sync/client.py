@@ -1,0 +1,113 @@
+"""The trainer's client: the same calls for vLLM and SGLang servers, one or many."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import http
+from .adapter import LoRAAdapter
+
+# The only engine difference the client knows: where the routes live.
+ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
+DISK_ROUTE = {"vllm": "/v1/load_lora_adapter", "sglang": "/load_lora_adapter"}
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str                      # e.g. http://127.0.0.1:8000
+    engine: str = "vllm"          # vllm | sglang
+
+    def route(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}{ROUTE_PREFIX[self.engine]}/{name}"
+
+
+@dataclass
+class PushResult:
+    server: str
+    name: str                     # registered name, e.g. policy-v3
+    version: int
+    bytes: int
+    seconds: float                # wall time seen by the client
+    reply: dict = field(default_factory=dict)
+
+
+def as_adapter(adapter) -> LoRAAdapter:
+    """Accepts a LoRAAdapter, a PEFT model, or a PEFT directory path."""
+    if isinstance(adapter, LoRAAdapter):
+        return adapter
+    if hasattr(adapter, "peft_config"):
+        return LoRAAdapter.from_peft_model(adapter)
+    return LoRAAdapter.from_dir(adapter)
+
+
+class LoRASyncClient:
+    def __init__(self, servers, engine: str = "vllm", api_key: str | None = None,
+                 timeout: float = 300.0):
+        if isinstance(servers, (str, Server)):
+            servers = [servers]
+        self.servers = [s if isinstance(s, Server) else Server(s, engine) for s in servers]
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.servers)))
+        self._group = None  # set by init_group (broadcast transport)
+
+    # -- tensors over HTTP -------------------------------------------------------------
+    def push_tensors(self, adapter, name: str, version: int | None = None,
+                     checksum: bool = False) -> list[PushResult]:
+        """Sends the adapter as one safetensors body to every server (concurrently)."""
+        adapter = as_adapter(adapter)
+        chunks = adapter.encode(name, version, with_checksum=checksum)
+        return self._each(lambda s: self._push_one(s, chunks))
+
+    def _push_one(self, server: Server, chunks) -> PushResult:
+        t0 = time.perf_counter()
+        body, _ = http.call("POST", server.route("load_lora_adapter_from_tensors"),
+                            chunks=chunks, timeout=self.timeout,
+                            headers={**self.headers, "Content-Type": "application/octet-stream"})
+        return PushResult(server.url, body["name"], body["version"], body["bytes"],
+                          time.perf_counter() - t0, body)
+
+    # -- disk (the engines' own route; the baseline) -----------------------------------
+    def load_from_disk(self, path: str, served_name: str) -> list[float]:
+        """Loads a PEFT directory with the engine's native route; returns seconds per server."""
+        def one(s: Server):
+            t0 = time.perf_counter()
+            http.call("POST", f"{s.url.rstrip('/')}{DISK_ROUTE[s.engine]}", timeout=self.timeout,
+                      json_body={"lora_name": served_name, "lora_path": str(path)},
+                      headers=self.headers)
+            return time.perf_counter() - t0
+        return self._each(one)
+
+    # -- introspection and generation --------------------------------------------------
+    def adapters(self) -> list[dict]:
+        return self._each(lambda s: http.call("GET", s.route("lora_adapters"),
+                                              headers=self.headers, timeout=self.timeout)[0])
+
+    def complete(self, prompt: str, model: str, max_tokens: int = 16, server: int = 0,
+                 **params) -> dict:
+        """A greedy OpenAI completion; returns {'text', 'model', 'version'} where version is
+        the adapter version the server reports having served (None for the base model)."""
+        s = self.servers[server]
+        body, headers = http.call(
+            "POST", f"{s.url.rstrip('/')}/v1/completions", timeout=self.timeout,
+            headers=self.headers, json_body={"model": model, "prompt": prompt,
+                                             "max_tokens": max_tokens, "temperature": 0.0,
+                                             **params})
+        version = headers.get("x-lora-version") or headers.get("X-LoRA-Version")
+        return {"text": body["choices"][0]["text"], "model": body.get("model"),
+                "version": int(version) if version else None, "raw": body}
+
+    def _each(self, fn):
+        return list(self._pool.map(fn, self.servers))
+
+    def close(self):
+        if self._group is not None:
+            self.destroy_group()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

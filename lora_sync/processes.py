@@ -1,0 +1,116 @@
+"""Start and stop inference servers as child processes (demo, tests, benchmarks).
+
+Always binds 127.0.0.1 unless told otherwise, waits for /health, and stops the whole process
+group (vLLM and SGLang both spawn helpers) on exit."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, cmd: list[str], port: int, env: dict | None = None,
+                 log_path: str | os.PathLike | None = None, engine: str = "vllm",
+                 start_timeout: float = 300.0):
+        self.cmd, self.port, self.engine = cmd, port, engine
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(log_path or f"/tmp/lora-sync-{engine}-{port}.log")
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + self.start_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.engine} server exited with {self.proc.returncode}:\n"
+                                   + self.log_tail())
+            if self.healthy():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"{self.engine} server not healthy after {self.start_timeout}s:\n"
+                           + self.log_tail())
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except Exception:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and self.healthy()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its children."""
+        if self.proc is None:
+            return 0
+        total, pids = 0, [self.proc.pid]
+        while pids:
+            pid = pids.pop()
+            try:
+                for line in open(f"/proc/{pid}/status"):
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
+                pids += [int(k) for k in kids]
+            except OSError:
+                pass
+        return total
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def vllm_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64,
+                max_loras: int = 2, max_cpu_loras: int = 4, extra_args=(), env=None,
+                python: str = sys.executable) -> ServerProcess:
+    """A vLLM CPU server with lora-sync, through our launcher."""
+    port = port or free_port()
+    cmd = [python, "-m", "vllm_ext.serve", "--model", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+           "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
+           "--max-cpu-loras", str(max_cpu_loras), "--max-num-seqs", "8",
+           "--served-model-name", "base", *extra_args]
+    base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
+                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return ServerProcess(cmd, port, {**base_env, **(env or {})}, engine="vllm")

@@ -1,0 +1,1 @@
+"""Server-side logic shared by both engines' extensions (imports FastAPI, never an engine)."""

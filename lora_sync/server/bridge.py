@@ -1,0 +1,55 @@
+"""The small interface each engine implements so one service drives both."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ..adapter import ModelSpec
+
+
+class EngineBridge(ABC):
+    """How the shared service reaches one engine. Every method acts on all of its workers
+    and raises LoRASyncError when any worker refuses."""
+
+    @abstractmethod
+    async def model_spec(self) -> ModelSpec:
+        """Linear layers and max rank of the served base model."""
+
+    @abstractmethod
+    def new_adapter_id(self) -> int:
+        """A fresh engine-wide integer id for a new version."""
+
+    @abstractmethod
+    async def stage_from_shm(self, adapter_id: int, path: str, config: dict) -> None:
+        """Every worker takes the adapter from a staged shared-memory body."""
+
+    @abstractmethod
+    async def receive(self, adapter_id: int, group_name: str, specs: list[dict], config: dict,
+                      bucket_bytes: int, checksum: str | None) -> None:
+        """Every worker receives the adapter by broadcast in `group_name`."""
+
+    @abstractmethod
+    async def activate(self, served_name: str, adapter_id: int):
+        """Registers the staged adapter with the engine; returns the engine's handle."""
+
+    @abstractmethod
+    def publish(self, names: list[str], handle) -> None:
+        """Makes requests naming any of `names` use `handle` (atomic per name)."""
+
+    @abstractmethod
+    def unpublish(self, names: list[str]) -> None:
+        """New requests naming these get a 404."""
+
+    @abstractmethod
+    async def drop(self, adapter_ids: list[int]) -> None:
+        """Frees the engine's and the workers' copies."""
+
+    @abstractmethod
+    async def init_group(self, group_name: str, host: str, port: int, rank_offset: int,
+                         world_size: int, backend: str, timeout_s: float) -> int:
+        """Every worker joins the trainer's group; returns the number of workers."""
+
+    @abstractmethod
+    async def destroy_group(self, group_name: str) -> None: ...
+
+    @abstractmethod
+    async def worker_count(self) -> int: ...

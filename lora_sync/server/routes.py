@@ -1,0 +1,85 @@
+"""The added HTTP routes, thin: parse, call the service, map errors to status codes.
+Mounted under /v1 on vLLM and at the root on SGLang."""
+from __future__ import annotations
+
+import hmac
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ..errors import BadAdapter, LoRASyncError, Unauthorized
+from .service import AdapterService
+
+PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
+               "application/octet-stream (see docs/protocol.md); pickled tensors are refused")
+
+
+def _service(request: Request) -> AdapterService:
+    return request.app.state.lora_sync
+
+
+def _authorize(request: Request, service: AdapterService) -> None:
+    key = service.settings.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise Unauthorized("missing or wrong API key for lora-sync admin routes")
+
+
+async def _json(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except Exception as e:
+        raise BadAdapter("body must be JSON", code="bad_request") from e
+    if not isinstance(body, dict):
+        raise BadAdapter("body must be a JSON object", code="bad_request")
+    return body
+
+
+def build_router(prefix: str = "") -> APIRouter:
+    router = APIRouter(prefix=prefix)
+
+    async def handle(request: Request, action):
+        try:
+            service = _service(request)
+            _authorize(request, service)
+            return JSONResponse(await action(service))
+        except LoRASyncError as e:
+            return JSONResponse(e.to_json(), status_code=e.status)
+
+    @router.post("/load_lora_adapter_from_tensors")
+    async def load_from_tensors(request: Request):
+        async def act(service: AdapterService):
+            ctype = request.headers.get("content-type", "").split(";")[0].strip()
+            if ctype != "application/octet-stream":
+                raise BadAdapter(f"Content-Type {ctype or 'none'!r} refused: {PICKLE_HINT}",
+                                 code="bad_content_type", status=415)
+            length = request.headers.get("content-length")
+            return await service.load_from_body(request.stream(),
+                                                int(length) if length else None)
+        return await handle(request, act)
+
+    @router.post("/init_lora_update_group")
+    async def init_group(request: Request):
+        return await handle(request, lambda s: _then(_json(request), s.init_group))
+
+    @router.post("/load_lora_adapter_from_distributed")
+    async def load_from_distributed(request: Request):
+        return await handle(request, lambda s: _then(_json(request), s.load_from_distributed))
+
+    @router.post("/destroy_lora_update_group")
+    async def destroy_group(request: Request):
+        return await handle(request, lambda s: _then(_json(request), s.destroy_group))
+
+    @router.get("/lora_adapters")
+    async def list_adapters(request: Request):
+        async def act(service):
+            return service.list_adapters()
+        return await handle(request, act)
+
+    return router
+
+
+async def _then(body_coro, fn):
+    return await fn(await body_coro)

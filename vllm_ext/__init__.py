@@ -1,0 +1,1 @@
+"""lora-sync for vLLM: routes (endpoint plugin), engine bridge and launcher."""

@@ -1,0 +1,1 @@
+"""Code that runs inside inference-engine worker processes (one module per engine)."""

@@ -1,0 +1,85 @@
+"""Engine-agnostic worker state: adapters kept in memory and the trainer process groups.
+
+Each engine's worker extension owns one `WorkerState` and plugs its own LoRA-model builder in.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_sync import collective
+from lora_sync.adapter import tensors_checksum
+from lora_sync.errors import BadAdapter, LoRASyncError, TransferFailed
+from lora_sync.staging import open_staged
+from lora_sync.wire import TensorSpec
+
+
+@dataclass
+class StoredAdapter:
+    tensors: dict[str, torch.Tensor]
+    config: dict
+    nbytes: int
+
+
+@dataclass
+class WorkerState:
+    adapters: dict[int, StoredAdapter] = field(default_factory=dict)
+    groups: dict[str, object] = field(default_factory=dict)
+
+    # -- intake ---------------------------------------------------------------------
+    def stage_from_shm(self, path: str, config: dict) -> StoredAdapter:
+        """Views the staged body in place: the tensors share the (copy-on-write) mapping."""
+        header, tensors = open_staged(path)
+        return StoredAdapter(tensors, config, header.total_bytes - header.data_start)
+
+    def receive(self, group_name: str, specs: list[dict], config: dict, bucket_bytes: int,
+                checksum: str | None = None) -> StoredAdapter:
+        pg, device = self.groups.get(group_name, (None, None))
+        if pg is None:
+            raise BadAdapter(f"no LoRA update group {group_name!r} on this worker; call "
+                             "init_lora_update_group first", code="no_group")
+        plan = collective.plan_buckets([TensorSpec.from_json(s) for s in specs], bucket_bytes)
+        try:
+            tensors = collective.broadcast_buckets(pg, plan, None, device=device)
+        except Exception as e:  # a dead or slow trainer: the group is no longer usable
+            self.groups.pop(group_name, None)
+            raise TransferFailed(f"broadcast in group {group_name!r} failed ({e}); the group "
+                                 "was dropped, create a new one") from e
+        if device != "cpu":
+            tensors = {k: v.cpu() for k, v in tensors.items()}
+        if checksum and tensors_checksum(tensors) != checksum:
+            raise BadAdapter("received tensors do not match the checksum", code="checksum_mismatch")
+        return StoredAdapter(tensors, config, sum(s.nbytes for b in plan for s in b.specs))
+
+    # -- groups ---------------------------------------------------------------------
+    def init_group(self, group_name: str, host: str, port: int, rank: int, world_size: int,
+                   backend: str, timeout_s: float) -> None:
+        if group_name in self.groups:
+            raise LoRASyncError(f"group {group_name!r} already exists", code="group_exists",
+                                status=409)
+        pg = collective.create_group(host, port, rank, world_size, backend, timeout_s)
+        self.groups[group_name] = (pg, "cuda" if backend == "nccl" else "cpu")
+
+    def destroy_group(self, group_name: str) -> bool:
+        return self.groups.pop(group_name, None) is not None
+
+
+def clone_mutable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Engines scale lora_B in place while merging; give them copies so the stored adapter
+    can be rebuilt identically after an eviction."""
+    return {k: (v.clone() if ".lora_B" in k else v) for k, v in tensors.items()}
+
+
+def reply(fn, *args, **kwargs) -> dict:
+    """Runs a worker step and turns the outcome into a plain dict for the engine's RPC
+    (exceptions do not travel well through it): {'ok', 'ms', ...} or the error fields."""
+    t0 = time.perf_counter()
+    try:
+        out = fn(*args, **kwargs) or {}
+        return {"ok": True, "ms": (time.perf_counter() - t0) * 1e3, **out}
+    except LoRASyncError as e:
+        return {"ok": False, "status": e.status, "code": e.code, "message": e.message}
+    except ValueError as e:  # the engine's own adapter checks
+        return {"ok": False, "status": 400, "code": "bad_adapter", "message": str(e)}

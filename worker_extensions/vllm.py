@@ -1,0 +1,64 @@
+"""The vLLM worker extension (`--worker-extension-cls worker_extensions.vllm.LoRASyncWorkerExtension`).
+
+vLLM adds this class to its worker's bases; the API process calls these methods through
+`collective_rpc`. Each method returns a plain dict (see `receiver.reply`)."""
+from __future__ import annotations
+
+from vllm_ext import engine_api
+
+from .receiver import WorkerState, clone_mutable, reply
+
+
+class LoRASyncWorkerExtension:
+    def _lora_sync_state(self) -> WorkerState:
+        # vLLM gives extensions no init hook: set up on first use.
+        state = self.__dict__.get("_lora_sync")
+        if state is None:
+            state = self.__dict__["_lora_sync"] = WorkerState()
+            manager = engine_api.worker_lora_manager(self)
+            engine_api.install_memory_loader(manager, self._lora_sync_build)
+        return state
+
+    def _lora_sync_build(self, lora_int_id: int):
+        stored = self._lora_sync_state().adapters.get(lora_int_id)
+        if stored is None:
+            return None
+        return engine_api.build_lora_model(engine_api.worker_lora_manager(self), lora_int_id,
+                                           clone_mutable(stored.tensors), stored.config)
+
+    def _lora_sync_keep(self, lora_int_id: int, stored) -> dict:
+        # Build once now so a bad adapter fails here, before it is ever published.
+        engine_api.build_lora_model(engine_api.worker_lora_manager(self), lora_int_id,
+                                    clone_mutable(stored.tensors), stored.config)
+        self._lora_sync_state().adapters[lora_int_id] = stored
+        return {"bytes": stored.nbytes}
+
+    def lora_sync_info(self) -> dict:
+        rank, world = engine_api.worker_rank(self)
+        return {"rank": rank, "world_size": world}
+
+    def lora_sync_stage(self, path: str, lora_int_id: int, config: dict) -> dict:
+        return reply(lambda: self._lora_sync_keep(
+            lora_int_id, self._lora_sync_state().stage_from_shm(path, config)))
+
+    def lora_sync_receive(self, group_name: str, lora_int_id: int, specs: list, config: dict,
+                          bucket_bytes: int, checksum: str | None = None) -> dict:
+        return reply(lambda: self._lora_sync_keep(lora_int_id, self._lora_sync_state().receive(
+            group_name, specs, config, bucket_bytes, checksum=checksum)))
+
+    def lora_sync_drop(self, lora_int_ids: list) -> dict:
+        """Forgets adapters: the worker's LoRA cache entry and our in-memory copy."""
+        state, manager = self._lora_sync_state(), engine_api.worker_lora_manager(self)
+        for i in lora_int_ids:
+            state.adapters.pop(i, None)
+            engine_api.remove_worker_adapter(manager, i)
+        return {"ok": True, "held": len(state.adapters)}
+
+    def lora_sync_init_group(self, group_name: str, host: str, port: int, rank_offset: int,
+                             world_size: int, backend: str, timeout_s: float) -> dict:
+        rank, _ = engine_api.worker_rank(self)
+        return reply(self._lora_sync_state().init_group, group_name, host, port,
+                     rank_offset + rank, world_size, backend, timeout_s)
+
+    def lora_sync_destroy_group(self, group_name: str) -> dict:
+        return {"ok": True, "existed": self._lora_sync_state().destroy_group(group_name)}
