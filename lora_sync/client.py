@@ -68,6 +68,38 @@ class LoRASyncClient:
         return PushResult(server.url, body["name"], body["version"], body["bytes"],
                           time.perf_counter() - t0, body)
 
+    # -- collective broadcast -----------------------------------------------------------
+    def init_group(self, master_address: str = "127.0.0.1", master_port: int | None = None,
+                   backend: str = "gloo", group_name: str = "default",
+                   timeout_s: float = 120.0, **kw):
+        """Joins every worker of every server into a group with this process as rank 0."""
+        from . import broadcast
+        from .processes import free_port
+        self._group = broadcast.init_group(self, master_address, master_port or free_port(),
+                                           backend, group_name, timeout_s, **kw)
+        return self._group
+
+    def broadcast(self, adapter, name: str, version: int | None = None,
+                  checksum: bool = False) -> list[PushResult]:
+        from . import broadcast
+        if self._group is None:
+            raise RuntimeError("call init_group() before broadcast()")
+        return broadcast.broadcast(self, self._group, as_adapter(adapter), name, version,
+                                   checksum)
+
+    def destroy_group(self) -> None:
+        from . import broadcast
+        group, self._group = self._group, None
+        if group is not None:
+            broadcast.destroy_group(self, group)
+
+    def push(self, adapter, name: str, version: int | None = None,
+             transport: str = "tensors") -> list[PushResult]:
+        """One call for either transport ('tensors' or 'broadcast')."""
+        if transport == "broadcast":
+            return self.broadcast(adapter, name, version)
+        return self.push_tensors(adapter, name, version)
+
     # -- disk (the engines' own route; the baseline) -----------------------------------
     def load_from_disk(self, path: str, served_name: str) -> list[float]:
         """Loads a PEFT directory with the engine's native route; returns seconds per server."""

@@ -16,7 +16,7 @@ DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 
 
 def create_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 120.0, device: torch.device | None = None):
+                 timeout_s: float = 120.0) -> "Group":
     """A process group that leaves torch.distributed's default group untouched (the engine
     already uses it). Rank 0 hosts the TCP store."""
     timeout = timedelta(seconds=timeout_s)
@@ -32,8 +32,22 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str 
     else:
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     pg._set_sequence_number_for_group()
-    pg._lora_sync_store = store  # the store must outlive the group
-    return pg
+    return Group(pg, store)
+
+
+@dataclass
+class Group:
+    pg: object
+    store: object  # the TCP store must outlive the process group
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.pg.broadcast(tensor, src).wait()
+
+    def shutdown(self) -> None:
+        try:
+            self.pg.shutdown()
+        except Exception:  # older torch or already broken: nothing to release
+            pass
 
 
 @dataclass(frozen=True)
@@ -83,13 +97,13 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]
     return out
 
 
-def broadcast_buckets(pg, buckets: list[Bucket], tensors: dict | None, device="cpu",
+def broadcast_buckets(group: Group, buckets: list[Bucket], tensors: dict | None, device="cpu",
                       src: int = 0) -> dict[str, torch.Tensor]:
     """Rank `src` sends `tensors`; every other rank receives them (tensors=None)."""
     received = {}
     for b in buckets:
         flat = (pack_bucket(b, tensors, device) if tensors is not None else
                 torch.empty(b.numel, dtype=DTYPES[b.dtype], device=device))
-        pg.broadcast(flat, src).wait()
+        group.broadcast(flat, src)
         received.update(unpack_bucket(b, flat))
     return received

@@ -39,8 +39,10 @@ STANDIN_DIR = REPO_ROOT / "tests" / "sgl_kernel_standin"
 DEFAULT_SGLANG_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 
 # Flags every test server gets. --max-total-tokens keeps the KV cache small (the default memory
-# fraction would reserve ~15 GB); torch_native is the LoRA backend that runs on CPU.
+# fraction would reserve ~15 GB); torch_native is the LoRA backend that runs on CPU;
+# --sleep-on-idle stops the idle scheduler from busy-polling a whole core.
 BASE_ARGS = (
+    "--sleep-on-idle",
     "--device", "cpu",
     "--enable-lora",
     "--max-lora-rank", "64",

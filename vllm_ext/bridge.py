@@ -14,7 +14,6 @@ class VLLMBridge(EngineBridge):
     def __init__(self, engine_client, app_state):
         self.engine = engine_client
         self.state = app_state
-        self._workers: int | None = None
 
     async def _rpc(self, method: str, *args) -> list[dict]:
         return check_worker_replies(
@@ -52,12 +51,9 @@ class VLLMBridge(EngineBridge):
                          timeout_s):
         await self._rpc("lora_sync_init_group", group_name, host, port, rank_offset,
                         world_size, backend, timeout_s)
-        return await self.worker_count()
 
     async def destroy_group(self, group_name):
         await self._rpc("lora_sync_destroy_group", group_name)
 
-    async def worker_count(self) -> int:
-        if self._workers is None:
-            self._workers = len(await self._rpc("lora_sync_info"))
-        return self._workers
+    async def worker_status(self) -> list[dict]:
+        return await self._rpc("lora_sync_info")

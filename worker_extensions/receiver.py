@@ -44,7 +44,7 @@ class WorkerState:
         try:
             tensors = collective.broadcast_buckets(pg, plan, None, device=device)
         except Exception as e:  # a dead or slow trainer: the group is no longer usable
-            self.groups.pop(group_name, None)
+            self.destroy_group(group_name)
             raise TransferFailed(f"broadcast in group {group_name!r} failed ({e}); the group "
                                  "was dropped, create a new one") from e
         if device != "cpu":
@@ -63,7 +63,10 @@ class WorkerState:
         self.groups[group_name] = (pg, "cuda" if backend == "nccl" else "cpu")
 
     def destroy_group(self, group_name: str) -> bool:
-        return self.groups.pop(group_name, None) is not None
+        pg, _ = self.groups.pop(group_name, (None, None))
+        if pg is not None:
+            pg.shutdown()
+        return pg is not None
 
 
 def clone_mutable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

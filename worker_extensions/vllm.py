@@ -35,7 +35,9 @@ class LoRASyncWorkerExtension:
 
     def lora_sync_info(self) -> dict:
         rank, world = engine_api.worker_rank(self)
-        return {"rank": rank, "world_size": world}
+        cached = engine_api.worker_lora_manager(self).list_adapters()
+        return {"ok": True, "rank": rank, "world_size": world, "cached_ids": sorted(cached),
+                "held_ids": sorted(self._lora_sync_state().adapters)}
 
     def lora_sync_stage(self, path: str, lora_int_id: int, config: dict) -> dict:
         return reply(lambda: self._lora_sync_keep(

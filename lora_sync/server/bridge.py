@@ -52,4 +52,5 @@ class EngineBridge(ABC):
     async def destroy_group(self, group_name: str) -> None: ...
 
     @abstractmethod
-    async def worker_count(self) -> int: ...
+    async def worker_status(self) -> list[dict]:
+        """One dict per worker: rank, world_size and the adapter ids it holds/caches."""

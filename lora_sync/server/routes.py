@@ -72,6 +72,10 @@ def build_router(prefix: str = "") -> APIRouter:
     async def destroy_group(request: Request):
         return await handle(request, lambda s: _then(_json(request), s.destroy_group))
 
+    @router.get("/lora_sync_info")
+    async def info(request: Request):
+        return await handle(request, lambda s: s.info())
+
     @router.get("/lora_adapters")
     async def list_adapters(request: Request):
         async def act(service):

@@ -178,7 +178,7 @@ class AdapterService:
         if backend not in ("gloo", "nccl"):
             raise BadAdapter(f"backend must be 'gloo' or 'nccl', got {backend!r}",
                              code="bad_request")
-        workers = await self.bridge.worker_count()
+        workers = len(await self.bridge.worker_status())
         if rank_offset < 1 or rank_offset + workers > world_size:
             raise BadAdapter(f"ranks {rank_offset}..{rank_offset + workers - 1} of this "
                              f"server's {workers} worker(s) do not fit world_size {world_size} "
@@ -193,6 +193,16 @@ class AdapterService:
         group = (body or {}).get("group_name") or "default"
         await self.bridge.destroy_group(group)
         return {"group_name": group, "destroyed": True}
+
+    async def info(self) -> dict:
+        """What a trainer needs before it broadcasts: worker count and the model's limits,
+        so it can refuse a bad adapter before any collective call."""
+        spec = await self.model_spec()
+        status = await self.bridge.worker_status()
+        return {"workers": len(status), "worker_status": status, "max_lora_rank": spec.max_rank,
+                "linear_modules": {k: list(v) for k, v in spec.linear.items()},
+                "keep_versions": self.settings.keep_versions,
+                "max_body_bytes": self.settings.max_body_bytes}
 
     def list_adapters(self) -> dict:
         out = {}

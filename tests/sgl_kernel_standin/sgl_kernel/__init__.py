@@ -10,12 +10,24 @@ or use it for serving. Any op it does not implement raises NotImplementedError n
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 __version__ = "0.0.0+lora-sync-test-standin"
 IS_TEST_STANDIN = True
 
 _IMPLEMENTED = ("assign_req_to_token_pool_cpu",)
+# Names SGLang imported from this module that are not implemented (placeholders).
+PLACEHOLDERS: list = []
+# LORA_SYNC_STANDIN_TRACE=1 prints every placeholder handed out and every implemented op call.
+_TRACE = os.environ.get("LORA_SYNC_STANDIN_TRACE") == "1"
+_TRACED_CALLS: set = set()
+
+
+def _trace(msg: str) -> None:
+    print(f"[sgl_kernel TEST STAND-IN pid={os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
@@ -25,6 +37,9 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
     request->token table: req_to_token[req_pool_indices[i], start[i]:end[i]] = the next
     (end[i] - start[i]) entries of out_cache_loc (requests laid out back to back)."""
     del pool_len  # == req_to_token.shape[1]; only needed by the native kernel
+    if _TRACE and "assign_req_to_token_pool_cpu" not in _TRACED_CALLS:
+        _TRACED_CALLS.add("assign_req_to_token_pool_cpu")
+        _trace("first call of assign_req_to_token_pool_cpu")
     starts = start_offset.tolist()
     ends = end_offset.tolist()
     rows = req_pool_indices.tolist()
@@ -55,4 +70,7 @@ def __getattr__(name: str):
         raise AttributeError(name)
     op = _unimplemented(name)
     globals()[name] = op
+    PLACEHOLDERS.append(name)
+    if _TRACE:
+        _trace(f"placeholder handed out for sgl_kernel.{name}")
     return op

@@ -1,0 +1,68 @@
+"""Session-scoped fixtures: one tiny local model, one real vLLM CPU server (127.0.0.1)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # 2 cores: leave one to the server
+
+PROMPT = "the quick brown"
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora-sync")
+
+
+@pytest.fixture(scope="session")
+def model_dir(workdir):
+    from lora_sync.tiny_model import build_tiny_model
+    return build_tiny_model(workdir / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def make_adapter(model_dir):
+    """make_adapter(seed, rank=8) -> LoRAAdapter with random non-zero weights."""
+    from lora_sync import LoRAAdapter
+    from lora_sync.tiny_model import make_lora, randomize_lora
+    models = {}
+
+    def make(seed: int, rank: int = 8):
+        if rank not in models:
+            models[rank] = make_lora(model_dir, rank=rank)
+        randomize_lora(models[rank], seed)
+        a = LoRAAdapter.from_peft_model(models[rank])
+        return LoRAAdapter({k: v.clone() for k, v in a.tensors.items()}, a.config)
+    return make
+
+
+def _vllm(model_dir, **kw):
+    pytest.importorskip("vllm")
+    from lora_sync.processes import vllm_server
+    return vllm_server(model_dir, **kw)
+
+
+@pytest.fixture(scope="session")
+def vllm(model_dir):
+    """The shared vLLM server: max 2 LoRA slots, 4 cached adapters, 4 MB body limit."""
+    server = _vllm(model_dir, max_loras=2, max_cpu_loras=4,
+                   env={"LORA_SYNC_MAX_BODY_MB": "4"})
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_second(model_dir):
+    """A second vLLM server, for one group across two servers."""
+    with _vllm(model_dir) as server:
+        yield server
+
+
+@pytest.fixture
+def client(vllm):
+    from lora_sync import LoRASyncClient
+    with LoRASyncClient(vllm.url) as c:
+        yield c
+    assert vllm.alive(), "the vLLM server died during the test:\n" + vllm.log_tail()

@@ -1,0 +1,69 @@
+"""Small helpers shared by the server test suites."""
+from __future__ import annotations
+
+import json
+import pickle
+
+import torch
+
+from lora_sync import http, wire
+
+PROMPT = "the quick brown"
+
+
+def greedy(client, model: str, prompt: str = PROMPT, n: int = 12) -> str:
+    return client.complete(prompt, model, n)["text"]
+
+
+def post_body(server_route: str, body, content_type="application/octet-stream", headers=None):
+    """Raw POST of arbitrary bytes; returns (status, reply JSON)."""
+    chunks = body if isinstance(body, list) else [body]
+    status, reply, _ = http.request("POST", server_route, chunks=chunks,
+                                    headers={"Content-Type": content_type, **(headers or {})})
+    return status, reply
+
+
+def body_of(adapter, name="bad", version=None, tensors=None, config=None, meta=None):
+    """A safetensors body built from `adapter` with parts replaced."""
+    m = adapter.metadata(name, version)
+    if config is not None:
+        m["adapter_config"] = config if isinstance(config, str) else json.dumps(config)
+    if meta is not None:
+        m = meta
+    return wire.encode_bytes(adapter.tensors if tensors is None else tensors, m)
+
+
+def bad_bodies(adapter, max_rank: int):
+    """(case, body, content type) for every bad input of the tensor route."""
+    t = adapter.tensors
+    a_key = next(k for k in t if "lora_A" in k)
+    good = body_of(adapter)
+    big_r = max_rank * 2
+    big_rank = {k: (torch.randn(big_r, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], big_r))
+                for k, v in t.items()}
+    return [
+        ("not safetensors", b"hello, this is not a safetensors file", None),
+        ("empty body", b"", None),
+        ("truncated", good[:-100], None),
+        ("header claims more bytes", good[:8] + b"\xff" * 4 + good[12:], None),
+        ("missing lora_name", body_of(adapter, meta={"adapter_config": json.dumps(adapter.config)}), None),
+        ("missing adapter_config", body_of(adapter, meta={"lora_name": "bad"}), None),
+        ("adapter_config not JSON", body_of(adapter, config="{not json"), None),
+        ("adapter_config without r", body_of(adapter, config={"lora_alpha": 8, "target_modules": ["q_proj"]}), None),
+        ("rank above max", body_of(adapter, tensors=big_rank, config={**adapter.config, "r": big_r}), None),
+        ("unknown module", body_of(adapter, tensors={**t, a_key.replace("layers.0", "layers.7"): t[a_key],
+                                                     a_key.replace("layers.0", "layers.7").replace("lora_A", "lora_B"): t[a_key.replace("lora_A", "lora_B")]}), None),
+        ("shape does not fit", body_of(adapter, tensors={**t, a_key: torch.randn(t[a_key].shape[0], 7)}), None),
+        ("missing B half", body_of(adapter, tensors={k: v for k, v in t.items() if k != a_key.replace("lora_A", "lora_B")}), None),
+        ("int tensors", body_of(adapter, tensors={k: v.to(torch.int32) for k, v in t.items()}) if False else
+            _raw_safetensors({k: v.to(torch.int32) for k, v in t.items()}, adapter), None),
+        ("pickle payload", pickle.dumps({"tensors": t}), None),
+        ("pickle as JSON route", json.dumps({"serialized_named_tensors": ["gASV"]}).encode(), "application/json"),
+        ("bad name", body_of(adapter, name="a/b"), None),
+        ("name with version suffix", body_of(adapter, name="pol-v2"), None),
+    ]
+
+
+def _raw_safetensors(tensors, adapter):
+    from safetensors.torch import save
+    return save(tensors, metadata=adapter.metadata("bad"))

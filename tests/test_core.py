@@ -1,0 +1,142 @@
+"""Unit tests of the engine-agnostic core (no server)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from lora_sync import BadAdapter, LoRAAdapter, ModelSpec, VersionBook, VersionConflict
+from lora_sync import collective, naming, wire
+from lora_sync.adapter import check_adapter, parse_peft_key
+
+SPEC = ModelSpec({"model.layers.0.self_attn.q_proj": (128, 128),
+                  "model.layers.0.mlp.down_proj": (256, 128)}, max_rank=16)
+
+
+def lora(r=4, module="model.layers.0.self_attn.q_proj", fan=(128, 128), dtype=torch.float32):
+    p = f"base_model.model.{module}"
+    return {f"{p}.lora_A.weight": torch.randn(r, fan[0]).to(dtype),
+            f"{p}.lora_B.weight": torch.randn(fan[1], r).to(dtype)}
+
+
+def cfg(r=4, targets=("q_proj",)):
+    return {"r": r, "lora_alpha": 2 * r, "target_modules": list(targets)}
+
+
+def test_encode_is_byte_compatible_with_safetensors():
+    t = {"a": torch.randn(3, 5), "b": torch.randn(2).to(torch.bfloat16)}
+    ours = wire.encode_bytes(t, {"k": "v"})
+    back = st_load(ours)
+    assert torch.equal(back["a"], t["a"]) and torch.equal(back["b"], t["b"])
+    meta, theirs = wire.decode(bytearray(st_save(t, metadata={"k": "v"})))
+    assert meta == {"k": "v"} and torch.equal(theirs["b"], t["b"])
+
+
+def test_decode_views_buffer_without_copy():
+    buf = bytearray(wire.encode_bytes({"x": torch.zeros(4)}, {}))
+    _, t = wire.decode(buf)
+    t["x"][0] = 7.0
+    _, again = wire.decode(buf)
+    assert again["x"][0] == 7.0
+
+
+@pytest.mark.parametrize("mutate,code", [
+    (lambda b: b[:5], "bad_safetensors"),                       # shorter than the length
+    (lambda b: b[:-3], "bad_safetensors"),                      # truncated data
+    (lambda b: b + b"xx", "bad_safetensors"),                   # trailing bytes
+    (lambda b: (10 ** 12).to_bytes(8, "little") + b[8:], "bad_safetensors"),  # huge header
+    (lambda b: b[:8] + b"[" + b[9:], "bad_safetensors"),        # header not JSON
+])
+def test_parse_header_refuses_corrupt_bodies(mutate, code):
+    body = wire.encode_bytes(lora(), {"lora_name": "x"})
+    with pytest.raises(BadAdapter) as e:
+        wire.parse_header(memoryview(mutate(body)))
+    assert e.value.code == code
+
+
+def test_parse_header_refuses_int_tensors():
+    body = st_save({"w": torch.ones(2, dtype=torch.int32)})
+    with pytest.raises(BadAdapter, match="dtype"):
+        wire.parse_header(memoryview(body))
+
+
+def test_peft_keys():
+    assert parse_peft_key("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight") == \
+        ("model.layers.0.mlp.up_proj", "B")
+    with pytest.raises(BadAdapter, match="embedding"):
+        parse_peft_key("base_model.model.model.embed_tokens.lora_embedding_A")
+    with pytest.raises(BadAdapter, match="not a PEFT"):
+        parse_peft_key("model.layers.0.mlp.up_proj.weight")
+
+
+def test_all_linear_becomes_explicit_module_list():
+    t = {**lora(), **lora(module="model.layers.0.mlp.down_proj", fan=(256, 128))}
+    a = LoRAAdapter(t, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    assert a.config["target_modules"] == ["down_proj", "q_proj"]
+    with pytest.raises(BadAdapter, match="pattern"):
+        LoRAAdapter(t, {"r": 4, "lora_alpha": 8, "target_modules": r".*proj"})
+
+
+def test_metadata_carries_name_version_and_config():
+    a = LoRAAdapter(lora(), cfg())
+    meta, _ = wire.decode(bytearray(b"".join(a.encode("pol", 3, with_checksum=True))))
+    assert meta["lora_name"] == "pol" and meta["version"] == "3"
+    assert json.loads(meta["adapter_config"])["r"] == 4
+    assert meta["checksum"] == a.checksum()
+
+
+def specs_of(tensors):
+    return [wire.TensorSpec.of(k, v) for k, v in tensors.items()]
+
+
+def test_check_adapter_accepts_fitting_adapter():
+    assert check_adapter(specs_of(lora()), cfg(), SPEC)["target_modules"] == ["q_proj"]
+
+
+@pytest.mark.parametrize("tensors,config,code", [
+    (lora(r=32), cfg(r=32), "rank_too_large"),
+    (lora(module="model.layers.9.self_attn.q_proj"), cfg(), "unknown_module"),
+    (lora(fan=(64, 128)), cfg(), "bad_shape"),
+    ({k: v for k, v in lora().items() if "lora_B" in k}, cfg(), "missing_tensor"),
+    (lora(), cfg(targets=("nope_proj",)), "unknown_module"),
+    (lora(), {"r": 4, "target_modules": ["q_proj"]}, "bad_config"),
+    (lora(), {**cfg(), "use_dora": True}, "unsupported_module"),
+    ({}, cfg(), "empty_adapter"),
+])
+def test_check_adapter_refusals(tensors, config, code):
+    with pytest.raises(BadAdapter) as e:
+        check_adapter(specs_of(tensors), config, SPEC)
+    assert e.value.code == code
+
+
+def test_names_and_versions():
+    assert naming.versioned("pol", 3) == "pol-v3"
+    assert naming.split_versioned("pol-v3") == ("pol", 3)
+    assert naming.split_versioned("pol") == ("pol", None)
+    for bad in ("", "a/b", "pol-v2", None, "x" * 200):
+        with pytest.raises(BadAdapter):
+            naming.check_name(bad)
+    book = VersionBook()
+    assert book.reserve("p", None) == 1
+    book.commit("p", 1)
+    assert book.reserve("p", 5) == 5
+    with pytest.raises(VersionConflict):
+        book.reserve("p", 4)  # 5 is in flight
+    book.release("p", 5)
+    with pytest.raises(VersionConflict):
+        book.reserve("p", 1)
+    for v in (2, 3, 4):
+        book.commit("p", book.reserve("p", v))
+    assert book.commit("p", book.reserve("p", None), keep=2) == [1, 2, 3]
+    assert book.versions["p"] == [4, 5]
+
+
+def test_buckets_round_trip_and_respect_size():
+    t = {"a": torch.randn(10, 10), "b": torch.randn(5).half(), "c": torch.randn(30)}
+    plan = collective.plan_buckets(specs_of(t), max_bytes=450)
+    assert [b.dtype for b in plan] == ["F32", "F32", "F16"]
+    out = {}
+    for b in plan:
+        out.update(collective.unpack_bucket(b, collective.pack_bucket(b, t)))
+    assert all(torch.equal(out[k], t[k]) for k in t)

@@ -1,0 +1,84 @@
+"""The tensor route on a real vLLM CPU server."""
+import pytest
+
+from lora_sync import http
+from lora_sync.errors import VersionConflict
+
+from .helpers import bad_bodies, greedy, post_body
+
+
+def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
+    adapter = make_adapter(seed=11)
+    adapter.save(workdir / "disk-11")
+    client.load_from_disk(str(workdir / "disk-11"), "disk-11")
+    [res] = client.push_tensors(adapter, "t11")
+    assert res.name == "t11-v1" and res.version == 1 and res.bytes == adapter.nbytes
+    assert res.reply["load_ms"] > 0
+    from_disk = greedy(client, "disk-11")
+    assert greedy(client, "t11-v1") == from_disk
+    assert greedy(client, "t11") == from_disk
+    assert greedy(client, "base") != from_disk
+
+
+def test_versions_and_alias(client, make_adapter):
+    v1, v2 = make_adapter(seed=21), make_adapter(seed=22)
+    assert client.push_tensors(v1, "ver")[0].name == "ver-v1"
+    out_v1 = greedy(client, "ver-v1")
+    assert greedy(client, "ver") == out_v1
+    assert client.push_tensors(v2, "ver")[0].name == "ver-v2"
+    out_v2 = greedy(client, "ver-v2")
+    assert out_v2 != out_v1
+    assert greedy(client, "ver") == out_v2
+    assert greedy(client, "ver-v1") == out_v1
+    # Explicit versions must go up.
+    assert client.push_tensors(v1, "ver", version=7)[0].name == "ver-v7"
+    with pytest.raises(VersionConflict):
+        client.push_tensors(v2, "ver", version=7)
+    assert greedy(client, "ver") == out_v1
+
+
+def test_bad_inputs_are_refused_and_previous_version_keeps_serving(client, make_adapter, vllm):
+    good = make_adapter(seed=31)
+    client.push_tensors(good, "bad")
+    before = greedy(client, "bad")
+    route = client.servers[0].route("load_lora_adapter_from_tensors")
+    max_rank = http.call("GET", client.servers[0].route("lora_sync_info"))[0]["max_lora_rank"]
+    seen = {}
+    for case, body, ctype in bad_bodies(make_adapter(seed=32), max_rank):
+        status, reply = post_body(route, body, ctype or "application/octet-stream")
+        seen[case] = (status, reply.get("error", {}).get("code"))
+        assert 400 <= status < 500, (case, status, reply)
+        assert reply["error"]["message"], case
+        assert greedy(client, "bad") == before, case
+    assert vllm.alive()
+    # Nothing half-registered: still exactly one version of 'bad'.
+    [entry] = [a for a in client.adapters()[0]["adapters"] if a["name"] == "bad"]
+    assert [v["version"] for v in entry["versions"]] == [1]
+    print("\nbad-input replies:", seen)
+
+
+def test_body_above_limit_is_refused(client, vllm):
+    route = client.servers[0].route("load_lora_adapter_from_tensors")
+    status, reply = post_body(route, b"\0" * (5 * 2 ** 20))  # server limit: 4 MB
+    assert status == 413 and "limit" in reply["error"]["message"]
+
+
+def test_adapter_survives_lru_eviction(client, make_adapter):
+    """Server keeps 4 adapters in its CPU cache: the first one is evicted, then rebuilt
+    from memory (it has no path) with identical output."""
+    client.push_tensors(make_adapter(seed=41), "lru0")
+    first = greedy(client, "lru0")
+    for i in range(1, 6):
+        client.push_tensors(make_adapter(seed=41 + i), f"lru{i}")
+        greedy(client, f"lru{i}")
+    info = http.call("GET", client.servers[0].route("lora_sync_info"))[0]
+    lru0_id = next(v["adapter_id"] for a in client.adapters()[0]["adapters"]
+                   if a["name"] == "lru0" for v in a["versions"])
+    assert lru0_id not in info["worker_status"][0]["cached_ids"], "lru0 was not evicted"
+    assert greedy(client, "lru0") == first
+
+
+def test_wrong_content_type_names_safe_format(client):
+    status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
+                              b"{}", "application/json")
+    assert status == 415 and "safetensors" in reply["error"]["message"]
