@@ -1,0 +1,134 @@
+"""The broadcast transport (gloo here; the same code path takes nccl) on real vLLM servers."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lora_sync import BadAdapter, LoRASyncClient, http
+from lora_sync.processes import free_port
+
+from .helpers import greedy
+
+
+def test_broadcast_matches_disk(client, make_adapter, workdir):
+    adapter = make_adapter(seed=51)
+    adapter.save(workdir / "disk-51")
+    client.load_from_disk(str(workdir / "disk-51"), "disk-51")
+    client.init_group()
+    [res] = client.broadcast(adapter, "b51")
+    assert res.name == "b51-v1" and res.reply["transport"] == "broadcast"
+    assert greedy(client, "b51") == greedy(client, "disk-51") != greedy(client, "base")
+    client.destroy_group()
+
+
+def test_ten_versions_in_one_group_follow_the_weights(client, make_adapter):
+    a, b = make_adapter(seed=61), make_adapter(seed=62)
+    client.init_group(bucket_bytes=64 * 1024)  # several buckets per sync
+    outputs = {}
+    for v in range(1, 11):
+        [res] = client.broadcast(a if v % 2 else b, "ten")
+        assert res.version == v
+        outputs[v] = greedy(client, "ten")
+        assert greedy(client, f"ten-v{v}") == outputs[v]
+    client.destroy_group()
+    assert outputs[1] != outputs[2]
+    assert all(outputs[v] == outputs[1 if v % 2 else 2] for v in outputs)
+
+
+def test_two_servers_one_group(vllm, vllm_second, make_adapter):
+    adapter = make_adapter(seed=71)
+    with LoRASyncClient([vllm.url, vllm_second.url]) as c:
+        group = c.init_group()
+        assert group.world_size == 3  # trainer + one worker per server
+        results = c.broadcast(adapter, "two")
+        assert [r.name for r in results] == ["two-v1", "two-v1"]
+        assert greedy(c, "two") == c.complete("the quick brown", "two", 12, server=1)["text"]
+        assert greedy(c, "two") != greedy(c, "base")
+        c.destroy_group()
+
+
+def test_bad_metadata_refused_before_any_collective(client, make_adapter, model_dir):
+    client.init_group()
+    good = make_adapter(seed=81)
+    client.broadcast(good, "meta")
+    before = greedy(client, "meta")
+    too_big = make_adapter(seed=82, rank=128)  # server max rank is 64
+    with pytest.raises(BadAdapter, match="rank"):
+        client.broadcast(too_big, "meta")
+    # The server refuses on its own too (no trainer-side check): 4xx, no collective entered.
+    body = {"lora_name": "meta", "adapter_config": good.config, "group_name": "default",
+            "tensors": [{"name": "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
+                         "dtype": "F32", "shape": [8, 128]}]}
+    status, reply, _ = http.request("POST", client.servers[0].route(
+        "load_lora_adapter_from_distributed"), json_body=body)
+    assert status == 400 and reply["error"]["code"] == "unknown_module"
+    # The group is still in step: the next broadcast works.
+    client.broadcast(make_adapter(seed=83), "meta")
+    assert greedy(client, "meta-v1") == before
+    assert greedy(client, "meta") != before
+    client.destroy_group()
+
+
+DYING_TRAINER = r"""
+import sys, time
+from lora_sync import LoRASyncClient, LoRAAdapter, collective
+url, adapter_dir = sys.argv[1], sys.argv[2]
+c = LoRASyncClient(url)
+c.init_group(timeout_s=10, bucket_bytes=16 * 1024)
+real = collective.broadcast_buckets
+def first_bucket_then_stall(group, buckets, tensors, device="cpu", src=0):
+    real(group, buckets[:1], tensors, device, src)
+    print("SENT-FIRST-BUCKET", flush=True)
+    time.sleep(3600)
+collective.broadcast_buckets = first_bucket_then_stall
+c.broadcast(LoRAAdapter.from_dir(adapter_dir), "dying")
+"""
+
+
+def test_trainer_killed_mid_broadcast(client, vllm, make_adapter, workdir):
+    client.push_tensors(make_adapter(seed=91), "survivor")
+    before = greedy(client, "survivor")
+    make_adapter(seed=92).save(workdir / "dying")
+    trainer = subprocess.Popen([sys.executable, "-c", DYING_TRAINER, vllm.url,
+                                str(workdir / "dying")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "SENT-FIRST-BUCKET"
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    # The worker's receive fails (peer gone or timeout); the server keeps serving.
+    assert greedy(client, "survivor") == before
+    names = [a["name"] for a in client.adapters()[0]["adapters"]]
+    assert "dying" not in names
+    assert vllm.alive()
+    # A new group can be formed and used.
+    client.init_group()
+    client.broadcast(make_adapter(seed=93), "survivor")
+    assert greedy(client, "survivor") != before
+    client.destroy_group()
+
+
+@pytest.fixture(scope="module")
+def vllm_tp2(model_dir):
+    pytest.importorskip("vllm")
+    from lora_sync.processes import vllm_server
+    server = vllm_server(model_dir, extra_args=["--tensor-parallel-size", "2"],
+                         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    with server:
+        yield server
+
+
+def test_tensor_parallel_2_broadcast_and_tensors_match_disk(vllm_tp2, make_adapter, workdir):
+    adapter = make_adapter(seed=101)
+    adapter.save(workdir / "disk-101")
+    with LoRASyncClient(vllm_tp2.url) as c:
+        c.load_from_disk(str(workdir / "disk-101"), "disk")
+        group = c.init_group()
+        assert group.world_size == 3  # trainer + 2 TP workers, each gets full tensors
+        c.broadcast(adapter, "bc")
+        c.destroy_group()
+        c.push_tensors(adapter, "t")
+        disk = greedy(c, "disk")
+        assert greedy(c, "bc") == disk == greedy(c, "t") != greedy(c, "base")
