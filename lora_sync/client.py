@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from . import http
 from .adapter import LoRAAdapter
+from .naming import split_versioned
 
 # The only engine difference the client knows: where the routes live.
 ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
@@ -116,19 +117,23 @@ class LoRASyncClient:
         return self._each(lambda s: http.call("GET", s.route("lora_adapters"),
                                               headers=self.headers, timeout=self.timeout)[0])
 
+    def completions(self, server: int = 0, **request) -> dict:
+        """An OpenAI /v1/completions call; the reply gains 'served_version': the adapter
+        version that generated it (servers name the versioned adapter in 'model', also
+        when the request used the alias), None for the base model."""
+        s = self.servers[server]
+        body, _ = http.call("POST", f"{s.url.rstrip('/')}/v1/completions",
+                            timeout=self.timeout, headers=self.headers, json_body=request)
+        body["served_version"] = split_versioned(body.get("model") or "")[1]
+        return body
+
     def complete(self, prompt: str, model: str, max_tokens: int = 16, server: int = 0,
                  **params) -> dict:
-        """A greedy OpenAI completion; returns {'text', 'model', 'version'} where version is
-        the adapter version the server reports having served (None for the base model)."""
-        s = self.servers[server]
-        body, headers = http.call(
-            "POST", f"{s.url.rstrip('/')}/v1/completions", timeout=self.timeout,
-            headers=self.headers, json_body={"model": model, "prompt": prompt,
-                                             "max_tokens": max_tokens, "temperature": 0.0,
-                                             **params})
-        version = headers.get("x-lora-version") or headers.get("X-LoRA-Version")
+        """A greedy completion: {'text', 'model', 'version', 'raw'}."""
+        body = self.completions(server, model=model, prompt=prompt, max_tokens=max_tokens,
+                                temperature=0.0, **params)
         return {"text": body["choices"][0]["text"], "model": body.get("model"),
-                "version": int(version) if version else None, "raw": body}
+                "version": body["served_version"], "raw": body}
 
     def _each(self, fn):
         return list(self._pool.map(fn, self.servers))
