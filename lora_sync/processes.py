@@ -103,11 +103,11 @@ class ServerProcess:
 
 def vllm_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64,
                 max_loras: int = 2, max_cpu_loras: int = 4, extra_args=(), env=None,
-                python: str = sys.executable) -> ServerProcess:
+                dtype: str = "float32", python: str = sys.executable) -> ServerProcess:
     """A vLLM CPU server with lora-sync, through our launcher."""
     port = port or free_port()
     cmd = [python, "-m", "vllm_ext.serve", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+           "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
            "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
            "--max-cpu-loras", str(max_cpu_loras), "--max-num-seqs", "8",
            "--served-model-name", "base", *extra_args]

@@ -36,8 +36,17 @@ def _build_tokenizer(out: Path, vocab_size: int):
     return fast
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
-    """Writes a tiny Llama model + tokenizer to `out_dir` (once) and returns the path."""
+# The shapes of Qwen2.5-0.5B (random weights), for benchmarks at a realistic adapter size.
+QWEN_05B_SHAPES = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+    tie_word_embeddings=True)
+
+
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, dtype: str = "float32",
+                     **overrides) -> Path:
+    """Writes a Llama model (tiny unless `overrides` say otherwise) + tokenizer to `out_dir`
+    (once) and returns the path."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,11 +55,11 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, **overrides) -> 
         return out
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(TINY_CONFIG, **overrides)
-    tok = _build_tokenizer(out, cfg["vocab_size"])
+    tok = _build_tokenizer(out, min(cfg["vocab_size"], TINY_CONFIG["vocab_size"]))
     torch.manual_seed(seed)
     config = LlamaConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         torch_dtype="float32", **cfg)
-    model = LlamaForCausalLM(config)
+                         torch_dtype=dtype, **cfg)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     # Larger-than-default init so greedy output is varied rather than one repeated token.
     with torch.no_grad():
         for p in model.parameters():

@@ -27,10 +27,10 @@ class VLLMBridge(EngineBridge):
         return engine_api.next_lora_id(self.state)
 
     async def stage_from_shm(self, adapter_id, path, config):
-        await self._rpc("lora_sync_stage", path, adapter_id, config)
+        return await self._rpc("lora_sync_stage", path, adapter_id, config)
 
     async def receive(self, adapter_id, group_name, specs, config, bucket_bytes, checksum):
-        await self._rpc("lora_sync_receive", group_name, adapter_id, specs, config,
+        return await self._rpc("lora_sync_receive", group_name, adapter_id, specs, config,
                         bucket_bytes, checksum)
 
     async def activate(self, served_name, adapter_id):

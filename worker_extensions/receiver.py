@@ -21,6 +21,7 @@ class StoredAdapter:
     tensors: dict[str, torch.Tensor]
     config: dict
     nbytes: int
+    prebuilt: object = None  # the engine's model object built at intake, used once
 
 
 @dataclass

@@ -23,13 +23,17 @@ class LoRASyncWorkerExtension:
         stored = self._lora_sync_state().adapters.get(lora_int_id)
         if stored is None:
             return None
+        if stored.prebuilt is not None:  # first registration: reuse the intake build
+            lora, stored.prebuilt = stored.prebuilt, None
+            return lora
         return engine_api.build_lora_model(engine_api.worker_lora_manager(self), lora_int_id,
                                            clone_mutable(stored.tensors), stored.config)
 
     def _lora_sync_keep(self, lora_int_id: int, stored) -> dict:
-        # Build once now so a bad adapter fails here, before it is ever published.
-        engine_api.build_lora_model(engine_api.worker_lora_manager(self), lora_int_id,
-                                    clone_mutable(stored.tensors), stored.config)
+        # Build now so a bad adapter fails here, before it is ever published.
+        stored.prebuilt = engine_api.build_lora_model(
+            engine_api.worker_lora_manager(self), lora_int_id, clone_mutable(stored.tensors),
+            stored.config)
         self._lora_sync_state().adapters[lora_int_id] = stored
         return {"bytes": stored.nbytes}
 

@@ -19,12 +19,13 @@ class EngineBridge(ABC):
         """A fresh engine-wide integer id for a new version."""
 
     @abstractmethod
-    async def stage_from_shm(self, adapter_id: int, path: str, config: dict) -> None:
-        """Every worker takes the adapter from a staged shared-memory body."""
+    async def stage_from_shm(self, adapter_id: int, path: str, config: dict) -> list[dict]:
+        """Every worker takes the adapter from a staged shared-memory body; returns one
+        reply per worker (with its own time in 'ms')."""
 
     @abstractmethod
     async def receive(self, adapter_id: int, group_name: str, specs: list[dict], config: dict,
-                      bucket_bytes: int, checksum: str | None) -> None:
+                      bucket_bytes: int, checksum: str | None) -> list[dict]:
         """Every worker receives the adapter by broadcast in `group_name`."""
 
     @abstractmethod
@@ -45,8 +46,8 @@ class EngineBridge(ABC):
 
     @abstractmethod
     async def init_group(self, group_name: str, host: str, port: int, rank_offset: int,
-                         world_size: int, backend: str, timeout_s: float) -> int:
-        """Every worker joins the trainer's group; returns the number of workers."""
+                         world_size: int, backend: str, timeout_s: float) -> None:
+        """Every worker joins the trainer's group."""
 
     @abstractmethod
     async def destroy_group(self, group_name: str) -> None: ...

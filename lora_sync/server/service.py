@@ -86,7 +86,7 @@ class AdapterService:
             received_ms = (time.perf_counter() - t0) * 1e3
 
             async def stage(adapter_id):
-                await self.bridge.stage_from_shm(adapter_id, staged.path, cfg)
+                return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg)
             nbytes = staged.nbytes - staged.header.data_start
             reply = await self._install(name, version, cfg, nbytes, "tensors", stage,
                                         t0, checksum=meta.get(META_CHECKSUM), staged=staged)
@@ -117,7 +117,7 @@ class AdapterService:
         nbytes = sum(s.nbytes for s in specs)
 
         async def receive(adapter_id):
-            await self.bridge.receive(adapter_id, group, [s.to_json() for s in specs], cfg,
+            return await self.bridge.receive(adapter_id, group, [s.to_json() for s in specs], cfg,
                                       bucket, body.get("checksum"))
         return await self._install(name, version, cfg, nbytes, "broadcast", receive, t0)
 
@@ -132,7 +132,7 @@ class AdapterService:
             adapter_id = self.bridge.new_adapter_id()
             t1 = time.perf_counter()
             try:
-                await stage(adapter_id)
+                worker_ms = max(r.get("ms", 0.0) for r in await stage(adapter_id))
                 t2 = time.perf_counter()
                 handle = await self.bridge.activate(served, adapter_id)
             except BaseException:
@@ -150,7 +150,8 @@ class AdapterService:
             await self._retire(name, retired)
         return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
                 "load_ms": rec.load_ms, "transport": transport,
-                "timings_ms": {"wait": (t1 - t0) * 1e3, "transfer_and_build": (t2 - t1) * 1e3,
+                "timings_ms": {"wait": (t1 - t0) * 1e3, "worker": worker_ms,
+                               "handoff": (t2 - t1) * 1e3 - worker_ms,
                                "register": (t3 - t2) * 1e3}}
 
     async def _forget(self, adapter_ids: list[int]) -> None:

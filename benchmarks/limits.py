@@ -1,0 +1,83 @@
+"""Reference limits for moving N bytes on this machine: memcpy, a raw loopback HTTP POST,
+and a raw gloo broadcast of one flat buffer (peers run as subprocesses, like a server would)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import torch
+
+from lora_sync import collective, http
+from lora_sync.processes import free_port
+
+_HTTP_SINK = r"""
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Sink(BaseHTTPRequestHandler):
+    def do_POST(self):
+        n = int(self.headers["Content-Length"]); buf = bytearray(n); view = memoryview(buf); got = 0
+        while got < n:
+            got += self.rfile.readinto(view[got:])
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *a): pass
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Sink).serve_forever()
+"""
+
+_GLOO_PEER = r"""
+import sys, torch
+from lora_sync import collective
+port, sizes = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")]
+g = collective.create_group("127.0.0.1", port, 1, 2, "gloo", 120)
+for n in sizes:
+    g.broadcast(torch.empty(n, dtype=torch.uint8), 0)
+"""
+
+
+def memcpy_s(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    src.clone()
+    return time.perf_counter() - t0
+
+
+class HttpSink:
+    def __enter__(self):
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-c", _HTTP_SINK, str(self.port)])
+        for _ in range(100):
+            try:
+                http.request("POST", f"http://127.0.0.1:{self.port}/", chunks=[b"x"])
+                return self
+            except Exception:
+                time.sleep(0.1)
+        raise RuntimeError("HTTP sink did not start")
+
+    def post_s(self, nbytes: int) -> float:
+        body = torch.empty(nbytes, dtype=torch.uint8).numpy().data
+        t0 = time.perf_counter()
+        http.call("POST", f"http://127.0.0.1:{self.port}/", chunks=[body])
+        return time.perf_counter() - t0
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def gloo_broadcast_s(sizes: list[int]) -> list[float]:
+    """Times one raw broadcast per size, from rank 0 to a peer process."""
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-c", _GLOO_PEER, str(port),
+                             ",".join(map(str, sizes))])
+    try:
+        g = collective.create_group("127.0.0.1", port, 0, 2, "gloo", 120)
+        out = []
+        for n in sizes:
+            buf = torch.empty(n, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            g.broadcast(buf, 0)
+            out.append(time.perf_counter() - t0)
+        return out
+    finally:
+        peer.wait(timeout=60)

@@ -1,0 +1,236 @@
+"""Disk vs tensors-over-HTTP vs broadcast LoRA sync, against the raw limits of the same bytes.
+
+    python -m benchmarks.sync_bench             # Qwen2.5-0.5B shapes, ranks 8 16 64 128
+    python -m benchmarks.sync_bench --quick     # tiny model, rank 8, 3 repetitions
+
+Writes runs/bench/results.json (every raw sample + machine), results.png and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lora_sync import LoRAAdapter, LoRASyncClient, ModelSpec
+from lora_sync.processes import vllm_server
+from lora_sync.tiny_model import QWEN_05B_SHAPES, build_tiny_model
+
+from . import limits
+
+TRANSPORTS = ("disk", "disk_shm", "tensors", "broadcast")
+
+
+def random_adapter(model_dir: Path, rank: int, dtype=torch.bfloat16, seed: int = 0) -> LoRAAdapter:
+    """An all-linear LoRA of the given rank for the model's shapes, random weights."""
+    from transformers import AutoConfig
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir), max_rank=rank)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (fan_in, fan_out) in spec.linear.items():
+        key = f"base_model.model.{module}"
+        tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) * 0.01).to(dtype)
+        tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.01).to(dtype)
+    targets = sorted({m.rsplit(".", 1)[-1] for m in spec.linear})
+    return LoRAAdapter(tensors, {"r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
+                                 "peft_type": "LORA"})
+
+
+def sync_once(client: LoRASyncClient, transport: str, adapter: LoRAAdapter, name: str,
+              scratch: Path) -> tuple[str, dict]:
+    """One sync; returns (served name, phase seconds incl. 'total')."""
+    t0 = time.perf_counter()
+    if transport.startswith("disk"):
+        root = Path("/dev/shm") if transport == "disk_shm" else scratch
+        path = Path(tempfile.mkdtemp(dir=root, prefix="lora-bench-"))
+        adapter.save(path)
+        t1 = time.perf_counter()
+        served = f"{name}-{transport}-{int(t1 * 1e6)}"
+        client.load_from_disk(str(path), served)
+        t2 = time.perf_counter()
+        shutil.rmtree(path)
+        return served, {"serialise": t1 - t0, "load": t2 - t1, "total": t2 - t0}
+    [res] = client.push(adapter, name, transport=transport)
+    total = time.perf_counter() - t0
+    phases = {k: v / 1e3 for k, v in res.reply["timings_ms"].items()}
+    phases["total"] = total
+    return res.name, phases
+
+
+def first_completion_s(client, served: str) -> float:
+    t0 = time.perf_counter()
+    client.complete("the quick brown", served, max_tokens=1)
+    return time.perf_counter() - t0
+
+
+def run(model_dir: Path, ranks: list[int], reps: int, engine_url: str | None, out: Path,
+        dtype: str, progress: bool = True) -> dict:
+    torch.set_num_threads(1)  # with two threads on two cores the trainer stalls randomly
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="lora-bench-"))
+    server = None
+    if engine_url is None:
+        server = vllm_server(model_dir, max_lora_rank=max(ranks), dtype=dtype,
+                             max_cpu_loras=8).start()
+        engine_url = server.url
+    samples = []
+    try:
+        client = LoRASyncClient(engine_url)
+        client.init_group()
+        total = len(ranks) * (reps + 1) * len(TRANSPORTS)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, desc="sync benchmark", unit="sync")
+        for rank in ranks:
+            adapter = random_adapter(model_dir, rank, getattr(torch, dtype))
+            nbytes = adapter.nbytes
+            for rep in range(reps + 1):  # rep 0 warms up and is not reported
+                for transport in TRANSPORTS:
+                    served, phases = sync_once(client, transport, adapter, f"r{rank}", scratch)
+                    first = first_completion_s(client, served)
+                    if rep:
+                        samples.append({"engine": "vllm", "transport": transport, "rank": rank,
+                                        "bytes": nbytes, "rep": rep, "phases": phases,
+                                        "first_completion_s": first})
+                    if bar:
+                        bar.update()
+            sizes = [nbytes] * reps
+            for s in limits.gloo_broadcast_s(sizes):
+                samples.append({"engine": "raw", "transport": "gloo_broadcast", "rank": rank,
+                                "bytes": nbytes, "phases": {"total": s}})
+            with limits.HttpSink() as sink:
+                sink.post_s(nbytes)
+                for _ in range(reps):
+                    samples.append({"engine": "raw", "transport": "http_post", "rank": rank,
+                                    "bytes": nbytes, "phases": {"total": sink.post_s(nbytes)}})
+            for _ in range(reps):
+                samples.append({"engine": "raw", "transport": "memcpy", "rank": rank,
+                                "bytes": nbytes, "phases": {"total": limits.memcpy_s(nbytes)}})
+        client.destroy_group()
+        if bar:
+            bar.close()
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    result = {"machine": machine(), "model": str(model_dir), "dtype": dtype, "ranks": ranks,
+              "reps": reps, "samples": samples, "summary": summarize(samples)}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "results.png")
+    return result
+
+
+def machine() -> dict:
+    import vllm
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "vllm": vllm.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(samples: list[dict]) -> list[dict]:
+    """One row per (engine, transport, rank): median/min/max, MB/s, ratios."""
+    rows = []
+    keys = sorted({(s["engine"], s["transport"], s["rank"]) for s in samples},
+                  key=lambda k: (k[2], k[0], k[1]))
+    med = {}
+    for key in keys:
+        group = [s for s in samples if (s["engine"], s["transport"], s["rank"]) == key]
+        totals = [s["phases"]["total"] for s in group]
+        phases = {p: _median([s["phases"][p] for s in group]) for p in group[0]["phases"]}
+        med[key] = phases
+        rows.append({"engine": key[0], "transport": key[1], "rank": key[2],
+                     "mb": group[0]["bytes"] / 1e6, "median_s": _median(totals),
+                     "min_s": min(totals), "max_s": max(totals),
+                     "mb_per_s": group[0]["bytes"] / 1e6 / _median(totals),
+                     "phases_s": phases,
+                     "first_completion_s": _median([s.get("first_completion_s") for s in group
+                                                    if s.get("first_completion_s")])})
+    for row in rows:
+        rank = row["rank"]
+        disk = med.get(("vllm", "disk", rank), {}).get("total")
+        tens = med.get(("vllm", "tensors", rank), {})
+        registration = tens.get("worker", 0) + tens.get("register", 0)
+        raw = {"tensors": ("raw", "http_post"), "broadcast": ("raw", "gloo_broadcast")}
+        if row["engine"] != "raw" and disk:
+            row["speedup_over_disk"] = disk / row["median_s"]
+        if row["transport"] in raw and raw[row["transport"]] + (rank,) in med:
+            limit = med[raw[row["transport"]] + (rank,)]["total"] + registration
+            row["limit_s"] = limit
+            row["x_limit"] = row["median_s"] / limit
+    return rows
+
+
+def print_table(rows: list[dict]) -> str:
+    head = (f"{'engine':7} {'transport':15} {'rank':>4} {'MB':>7} {'median':>8} {'min':>8} "
+            f"{'max':>8} {'MB/s':>7} {'vs disk':>7} {'x limit':>7} {'1st compl':>9}  phases (median ms)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ph = ", ".join(f"{k} {v*1e3:.1f}" for k, v in r["phases_s"].items() if k != "total")
+        lines.append(
+            f"{r['engine']:7} {r['transport']:15} {r['rank']:>4} {r['mb']:7.1f} "
+            f"{r['median_s']*1e3:7.1f}ms {r['min_s']*1e3:6.1f}ms {r['max_s']*1e3:6.1f}ms "
+            f"{r['mb_per_s']:7.0f} {r.get('speedup_over_disk', float('nan')):6.2f}x "
+            f"{r.get('x_limit', float('nan')):6.2f}x "
+            f"{(r['first_completion_s'] or float('nan'))*1e3:7.0f}ms  {ph}")
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    rows = result["summary"]
+    for engine, transport in sorted({(r["engine"], r["transport"]) for r in rows}):
+        pts = sorted((r["mb"], r["median_s"] * 1e3) for r in rows
+                     if (r["engine"], r["transport"]) == (engine, transport))
+        style = "--" if engine == "raw" else "-"
+        ax.plot(*zip(*pts), style, marker="o", label=f"{engine}: {transport}")
+    ax.set(xlabel="adapter size (MB)", ylabel="sync latency (ms, median)",
+           title="LoRA sync latency vs adapter size", xscale="log", yscale="log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, rank 8, 3 repetitions")
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64, 128])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--server-url", help="an already running lora-sync vLLM server")
+    p.add_argument("--model-dir", help="the model that server runs")
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    a = p.parse_args()
+    scratch = Path(tempfile.gettempdir()) / "lora-sync-bench-models"
+    if a.quick:
+        ranks, reps, dtype = [8], 3, "float32"
+        model_dir = Path(a.model_dir) if a.model_dir else build_tiny_model(scratch / "tiny")
+    else:
+        ranks, reps, dtype = a.ranks, a.reps, "bfloat16"
+        model_dir = Path(a.model_dir) if a.model_dir else build_tiny_model(
+            scratch / "qwen05b-shapes", dtype="bfloat16", **QWEN_05B_SHAPES)
+    result = run(model_dir, ranks, reps, a.server_url, Path(a.out), dtype, a.progress)
+    text = print_table(result["summary"])
+    (Path(a.out) / "table.txt").write_text(text + "\n")
+    print(f"\nraw samples: {a.out}/results.json  plot: {a.out}/results.png")
+
+
+if __name__ == "__main__":
+    main()

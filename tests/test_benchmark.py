@@ -1,0 +1,23 @@
+"""The benchmark's quick mode runs against the real server and writes well-formed output
+(no timing is asserted: performance is measured, not tested)."""
+import json
+
+from benchmarks.sync_bench import TRANSPORTS, print_table, run
+
+
+def test_quick_benchmark_produces_well_formed_output(vllm, model_dir, workdir):
+    out = workdir / "bench"
+    result = run(model_dir, [8], 2, vllm.url, out, "float32", progress=False)
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["machine"]["vllm"] == "0.32.0"
+    kinds = {(s["engine"], s["transport"]) for s in saved["samples"]}
+    assert {("vllm", t) for t in TRANSPORTS} <= kinds
+    assert {("raw", "http_post"), ("raw", "gloo_broadcast"), ("raw", "memcpy")} <= kinds
+    for s in saved["samples"]:
+        assert s["bytes"] > 0 and s["phases"]["total"] > 0
+    rows = {(r["engine"], r["transport"]): r for r in result["summary"]}
+    assert rows[("vllm", "tensors")]["x_limit"] > 0
+    assert set(rows[("vllm", "tensors")]["phases_s"]) >= {"receive", "worker", "handoff",
+                                                           "register", "total"}
+    assert (out / "results.png").stat().st_size > 0
+    assert "tensors" in print_table(result["summary"])
