@@ -71,7 +71,7 @@ def first_completion_s(client, served: str) -> float:
 
 
 def run(model_dir: Path, ranks: list[int], reps: int, engine_url: str | None, out: Path,
-        dtype: str, progress: bool = True) -> dict:
+        dtype: str, progress: bool = True, api_key: str | None = None) -> dict:
     torch.set_num_threads(1)  # with two threads on two cores the trainer stalls randomly
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="lora-bench-"))
@@ -82,7 +82,7 @@ def run(model_dir: Path, ranks: list[int], reps: int, engine_url: str | None, ou
         engine_url = server.url
     samples = []
     try:
-        client = LoRASyncClient(engine_url)
+        client = LoRASyncClient(engine_url, api_key=api_key)
         client.init_group()
         total = len(ranks) * (reps + 1) * len(TRANSPORTS)
         bar = None

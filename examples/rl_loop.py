@@ -42,6 +42,7 @@ class LoopConfig:
     name: str = "policy"
     server_url: str | None = None   # default: start a local vLLM CPU server
     model_dir: str | None = None    # default: the embedded tiny model
+    api_key: str | None = None      # the server's LORA_SYNC_API_KEY, if it has one
     out_dir: str = "runs/rl_loop"
     progress: bool = True
 
@@ -115,7 +116,7 @@ def run(cfg: LoopConfig, server=None) -> dict:
     targets = target_tokens(tokenizer)
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     log = {"config": asdict(cfg), "steps": []}
-    client = LoRASyncClient(url)
+    client = LoRASyncClient(url, api_key=cfg.api_key)
     try:
         syncer = Syncer(client, cfg, scratch)
         served, sync_s = syncer.push(policy)  # version 1: the initial policy

@@ -9,6 +9,7 @@ import torch
 torch.set_num_threads(1)  # 2 cores: leave one to the server
 
 PROMPT = "the quick brown"
+API_KEY = "test-admin-key"  # the shared server guards its admin routes with this key
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +49,8 @@ def _vllm(model_dir, **kw):
 def vllm(model_dir):
     """The shared vLLM server: max 2 LoRA slots, 4 cached adapters, 4 MB body limit."""
     server = _vllm(model_dir, max_loras=2, max_cpu_loras=4,
-                   env={"LORA_SYNC_MAX_BODY_MB": "4"})
+                   env={"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY})
+    server.api_key = API_KEY
     with server:
         yield server
 
@@ -63,6 +65,6 @@ def vllm_second(model_dir):
 @pytest.fixture
 def client(vllm):
     from lora_sync import LoRASyncClient
-    with LoRASyncClient(vllm.url) as c:
+    with LoRASyncClient(vllm.url, api_key=vllm.api_key) as c:
         yield c
     assert vllm.alive(), "the vLLM server died during the test:\n" + vllm.log_tail()

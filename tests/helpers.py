@@ -8,6 +8,10 @@ import torch
 
 from lora_sync import http, wire
 
+from .conftest import API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 PROMPT = "the quick brown"
 
 
@@ -18,8 +22,9 @@ def greedy(client, model: str, prompt: str = PROMPT, n: int = 12) -> str:
 def post_body(server_route: str, body, content_type="application/octet-stream", headers=None):
     """Raw POST of arbitrary bytes; returns (status, reply JSON)."""
     chunks = body if isinstance(body, list) else [body]
+    headers = {**AUTH, **(headers or {})}
     status, reply, _ = http.request("POST", server_route, chunks=chunks,
-                                    headers={"Content-Type": content_type, **(headers or {})})
+                                    headers={"Content-Type": content_type, **headers})
     return status, reply
 
 

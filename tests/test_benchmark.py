@@ -7,7 +7,8 @@ from benchmarks.sync_bench import TRANSPORTS, print_table, run
 
 def test_quick_benchmark_produces_well_formed_output(vllm, model_dir, workdir):
     out = workdir / "bench"
-    result = run(model_dir, [8], 2, vllm.url, out, "float32", progress=False)
+    result = run(model_dir, [8], 2, vllm.url, out, "float32", progress=False,
+                 api_key=vllm.api_key)
     saved = json.loads((out / "results.json").read_text())
     assert saved["machine"]["vllm"] == "0.32.0"
     kinds = {(s["engine"], s["transport"]) for s in saved["samples"]}

@@ -7,7 +7,7 @@ from examples.rl_loop import LoopConfig, run, summary
 
 def loop(vllm, model_dir, workdir, transport, name):
     cfg = LoopConfig(steps=12, transport=transport, name=name, model_dir=str(model_dir),
-                     server_url=vllm.url, out_dir=str(workdir / "rl"), progress=False)
+                     server_url=vllm.url, api_key=vllm.api_key, out_dir=str(workdir / "rl"), progress=False)
     return run(cfg)
 
 

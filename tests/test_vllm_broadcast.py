@@ -9,7 +9,7 @@ import pytest
 from lora_sync import BadAdapter, LoRASyncClient, http
 from lora_sync.processes import free_port
 
-from .helpers import greedy
+from .helpers import AUTH, greedy
 
 
 def test_broadcast_matches_disk(client, make_adapter, workdir):
@@ -39,7 +39,8 @@ def test_ten_versions_in_one_group_follow_the_weights(client, make_adapter):
 
 def test_two_servers_one_group(vllm, vllm_second, make_adapter):
     adapter = make_adapter(seed=71)
-    with LoRASyncClient([vllm.url, vllm_second.url]) as c:
+    # The second server has no API key: the client's key is simply not checked there.
+    with LoRASyncClient([vllm.url, vllm_second.url], api_key=vllm.api_key) as c:
         group = c.init_group()
         assert group.world_size == 3  # trainer + one worker per server
         results = c.broadcast(adapter, "two")
@@ -62,7 +63,7 @@ def test_bad_metadata_refused_before_any_collective(client, make_adapter, model_
             "tensors": [{"name": "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
                          "dtype": "F32", "shape": [8, 128]}]}
     status, reply, _ = http.request("POST", client.servers[0].route(
-        "load_lora_adapter_from_distributed"), json_body=body)
+        "load_lora_adapter_from_distributed"), json_body=body, headers=AUTH)
     assert status == 400 and reply["error"]["code"] == "unknown_module"
     # The group is still in step: the next broadcast works.
     client.broadcast(make_adapter(seed=83), "meta")
@@ -74,8 +75,8 @@ def test_bad_metadata_refused_before_any_collective(client, make_adapter, model_
 DYING_TRAINER = r"""
 import sys, time
 from lora_sync import LoRASyncClient, LoRAAdapter, collective
-url, adapter_dir = sys.argv[1], sys.argv[2]
-c = LoRASyncClient(url)
+url, adapter_dir, key = sys.argv[1], sys.argv[2], sys.argv[3]
+c = LoRASyncClient(url, api_key=key)
 c.init_group(timeout_s=10, bucket_bytes=16 * 1024)
 real = collective.broadcast_buckets
 def first_bucket_then_stall(group, buckets, tensors, device="cpu", src=0):
@@ -92,7 +93,8 @@ def test_trainer_killed_mid_broadcast(client, vllm, make_adapter, workdir):
     before = greedy(client, "survivor")
     make_adapter(seed=92).save(workdir / "dying")
     trainer = subprocess.Popen([sys.executable, "-c", DYING_TRAINER, vllm.url,
-                                str(workdir / "dying")], stdout=subprocess.PIPE, text=True)
+                                str(workdir / "dying"), vllm.api_key], stdout=subprocess.PIPE,
+                               text=True)
     try:
         assert trainer.stdout.readline().strip() == "SENT-FIRST-BUCKET"
     finally:

@@ -4,7 +4,7 @@ import pytest
 from lora_sync import http
 from lora_sync.errors import VersionConflict
 
-from .helpers import bad_bodies, greedy, post_body
+from .helpers import AUTH, bad_bodies, greedy, post_body
 
 
 def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
@@ -42,7 +42,8 @@ def test_bad_inputs_are_refused_and_previous_version_keeps_serving(client, make_
     client.push_tensors(good, "bad")
     before = greedy(client, "bad")
     route = client.servers[0].route("load_lora_adapter_from_tensors")
-    max_rank = http.call("GET", client.servers[0].route("lora_sync_info"))[0]["max_lora_rank"]
+    max_rank = http.call("GET", client.servers[0].route("lora_sync_info"),
+                         headers=AUTH)[0]["max_lora_rank"]
     seen = {}
     for case, body, ctype in bad_bodies(make_adapter(seed=32), max_rank):
         status, reply = post_body(route, body, ctype or "application/octet-stream")
@@ -71,7 +72,7 @@ def test_adapter_survives_lru_eviction(client, make_adapter):
     for i in range(1, 6):
         client.push_tensors(make_adapter(seed=41 + i), f"lru{i}")
         greedy(client, f"lru{i}")
-    info = http.call("GET", client.servers[0].route("lora_sync_info"))[0]
+    info = http.call("GET", client.servers[0].route("lora_sync_info"), headers=AUTH)[0]
     lru0_id = next(v["adapter_id"] for a in client.adapters()[0]["adapters"]
                    if a["name"] == "lru0" for v in a["versions"])
     assert lru0_id not in info["worker_status"][0]["cached_ids"], "lru0 was not evicted"
