@@ -126,6 +126,7 @@ class AdapterService:
         if checksum and staged is not None:
             from .integrity import verify_staged
             verify_staged(staged.path, checksum)
+        t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
             version = self.book.reserve(name, version_req)
             served = naming.versioned(name, version)
@@ -150,7 +151,7 @@ class AdapterService:
             await self._retire(name, retired)
         return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
                 "load_ms": rec.load_ms, "transport": transport,
-                "timings_ms": {"wait": (t1 - t0) * 1e3, "worker": worker_ms,
+                "timings_ms": {"wait": (t1 - t_in) * 1e3, "worker": worker_ms,
                                "handoff": (t2 - t1) * 1e3 - worker_ms,
                                "register": (t3 - t2) * 1e3}}
 
