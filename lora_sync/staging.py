@@ -5,8 +5,11 @@ counting bytes against the limit; each worker maps that file copy-on-write and v
 tensors in place. Only the file path crosses the engine's RPC, never the bytes."""
 from __future__ import annotations
 
+import asyncio
+import json
 import mmap
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -71,3 +74,46 @@ def open_staged(path: str):
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     header = wire.parse_header(memoryview(buf))
     return header, wire.view_tensors(buf, header)
+
+
+# -- completion notices -------------------------------------------------------------------
+# A worker that receives in the background reports through a small file next to the staged
+# bodies, so the API process can wait without keeping an engine RPC (and the engine loop)
+# busy for the whole transfer.
+def notice_paths(workers: int) -> list[str]:
+    base = os.path.join(SHM_DIR, f"lora-sync-done-{uuid.uuid4().hex}")
+    return [f"{base}-{rank}.json" for rank in range(workers)]
+
+
+def write_notice(path: str, result: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)  # atomic: readers never see half a notice
+
+
+async def wait_notices(paths: list[str], timeout_s: float, poll_s: float = 0.002) -> list[dict]:
+    """Waits for every worker's notice; a missing one after `timeout_s` is a failure."""
+    deadline = time.monotonic() + timeout_s
+    results: dict[str, dict] = {}
+    try:
+        while len(results) < len(paths):
+            for p in paths:
+                if p not in results and os.path.exists(p):
+                    with open(p) as f:
+                        results[p] = json.load(f)
+            if len(results) < len(paths):
+                if time.monotonic() > deadline:
+                    missing = len(paths) - len(results)
+                    return [results.get(p, {"ok": False, "status": 502, "code": "transfer_failed",
+                                            "message": f"{missing} worker(s) did not finish "
+                                                       f"receiving within {timeout_s:.0f}s"})
+                            for p in paths]
+                await asyncio.sleep(poll_s)
+        return [results[p] for p in paths]
+    finally:
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass

@@ -97,6 +97,8 @@ def test_trainer_killed_mid_broadcast(client, vllm, make_adapter, workdir):
                                text=True)
     try:
         assert trainer.stdout.readline().strip() == "SENT-FIRST-BUCKET"
+        # Mid-transfer, the engine keeps generating: the receive runs beside the engine loop.
+        assert greedy(client, "survivor") == before
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from lora_sync.adapter import ModelSpec
 from lora_sync.server.bridge import EngineBridge
 from lora_sync.server.service import check_worker_replies
+from lora_sync.staging import notice_paths, wait_notices
 
 from . import engine_api
 
@@ -14,6 +15,7 @@ class VLLMBridge(EngineBridge):
     def __init__(self, engine_client, app_state):
         self.engine = engine_client
         self.state = app_state
+        self._workers: int | None = None
 
     async def _rpc(self, method: str, *args) -> list[dict]:
         return check_worker_replies(
@@ -29,9 +31,13 @@ class VLLMBridge(EngineBridge):
     async def stage_from_shm(self, adapter_id, path, config):
         return await self._rpc("lora_sync_stage", path, adapter_id, config)
 
-    async def receive(self, adapter_id, group_name, specs, config, bucket_bytes, checksum):
-        return await self._rpc("lora_sync_receive", group_name, adapter_id, specs, config,
-                        bucket_bytes, checksum)
+    async def receive(self, adapter_id, group_name, specs, config, bucket_bytes, checksum,
+                      timeout_s):
+        # The RPC only starts the transfer: the engine loop stays free while bytes arrive.
+        notices = notice_paths(await self._worker_count())
+        await self._rpc("lora_sync_receive", group_name, adapter_id, specs, config,
+                        bucket_bytes, checksum, notices)
+        return check_worker_replies(await wait_notices(notices, timeout_s))
 
     async def activate(self, served_name, adapter_id):
         request = engine_api.lora_request(served_name, adapter_id)
@@ -57,3 +63,8 @@ class VLLMBridge(EngineBridge):
 
     async def worker_status(self) -> list[dict]:
         return await self._rpc("lora_sync_info")
+
+    async def _worker_count(self) -> int:
+        if self._workers is None:
+            self._workers = len(await self.worker_status())
+        return self._workers

@@ -4,6 +4,7 @@ Each engine's worker extension owns one `WorkerState` and plugs its own LoRA-mod
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -12,7 +13,7 @@ import torch
 from lora_sync import collective
 from lora_sync.adapter import tensors_checksum
 from lora_sync.errors import BadAdapter, LoRASyncError, TransferFailed
-from lora_sync.staging import open_staged
+from lora_sync.staging import open_staged, write_notice
 from lora_sync.wire import TensorSpec
 
 
@@ -28,6 +29,7 @@ class StoredAdapter:
 class WorkerState:
     adapters: dict[int, StoredAdapter] = field(default_factory=dict)
     groups: dict[str, object] = field(default_factory=dict)
+    group_locks: dict[str, threading.Lock] = field(default_factory=dict)
 
     # -- intake ---------------------------------------------------------------------
     def stage_from_shm(self, path: str, config: dict) -> StoredAdapter:
@@ -53,6 +55,16 @@ class WorkerState:
         if checksum and tensors_checksum(tensors) != checksum:
             raise BadAdapter("received tensors do not match the checksum", code="checksum_mismatch")
         return StoredAdapter(tensors, config, sum(s.nbytes for b in plan for s in b.specs))
+
+    def receive_in_background(self, group_name: str, notice_path: str, keep, *args) -> None:
+        """Receives on a thread so the engine keeps stepping during the transfer; then
+        `keep(stored)` builds and stores the adapter and the outcome goes to `notice_path`."""
+        lock = self.group_locks.setdefault(group_name, threading.Lock())
+
+        def work():
+            with lock:  # one transfer at a time per group, in request order
+                write_notice(notice_path, reply(lambda: keep(self.receive(group_name, *args))))
+        threading.Thread(target=work, name=f"lora-sync-recv-{group_name}", daemon=True).start()
 
     # -- groups ---------------------------------------------------------------------
     def init_group(self, group_name: str, host: str, port: int, rank: int, world_size: int,

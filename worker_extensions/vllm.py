@@ -48,9 +48,13 @@ class LoRASyncWorkerExtension:
             lora_int_id, self._lora_sync_state().stage_from_shm(path, config)))
 
     def lora_sync_receive(self, group_name: str, lora_int_id: int, specs: list, config: dict,
-                          bucket_bytes: int, checksum: str | None = None) -> dict:
-        return reply(lambda: self._lora_sync_keep(lora_int_id, self._lora_sync_state().receive(
-            group_name, specs, config, bucket_bytes, checksum=checksum)))
+                          bucket_bytes: int, checksum: str | None, notice_paths: list) -> dict:
+        """Starts receiving and returns at once; the outcome lands in this rank's notice."""
+        rank, _ = engine_api.worker_rank(self)
+        self._lora_sync_state().receive_in_background(
+            group_name, notice_paths[rank], lambda s: self._lora_sync_keep(lora_int_id, s),
+            specs, config, bucket_bytes, checksum)
+        return {"ok": True}
 
     def lora_sync_drop(self, lora_int_ids: list) -> dict:
         """Forgets adapters: the worker's LoRA cache entry and our in-memory copy."""

@@ -25,7 +25,7 @@ class EngineBridge(ABC):
 
     @abstractmethod
     async def receive(self, adapter_id: int, group_name: str, specs: list[dict], config: dict,
-                      bucket_bytes: int, checksum: str | None) -> list[dict]:
+                      bucket_bytes: int, checksum: str | None, timeout_s: float) -> list[dict]:
         """Every worker receives the adapter by broadcast in `group_name`."""
 
     @abstractmethod

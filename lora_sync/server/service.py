@@ -67,6 +67,7 @@ class AdapterService:
         self.records: dict[str, AdapterRecord] = {}     # served name -> record
         self._locks: dict[str, asyncio.Lock] = {}
         self._spec: ModelSpec | None = None
+        self.group_timeouts: dict[str, float] = {}
 
     async def model_spec(self) -> ModelSpec:
         if self._spec is None:
@@ -118,7 +119,8 @@ class AdapterService:
 
         async def receive(adapter_id):
             return await self.bridge.receive(adapter_id, group, [s.to_json() for s in specs], cfg,
-                                      bucket, body.get("checksum"))
+                                             bucket, body.get("checksum"),
+                                             self.group_timeouts.get(group, 120.0) + 30)
         return await self._install(name, version, cfg, nbytes, "broadcast", receive, t0)
 
     async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0,
@@ -187,8 +189,10 @@ class AdapterService:
                              "(rank 0 is the trainer)", code="bad_request")
         group = body.get("group_name") or "default"
         t0 = time.perf_counter()
+        timeout_s = float(body.get("timeout_s") or 120)
         await self.bridge.init_group(group, host, port, rank_offset, world_size, backend,
-                                     float(body.get("timeout_s") or 120))
+                                     timeout_s)
+        self.group_timeouts[group] = timeout_s
         return {"group_name": group, "workers": workers, "ms": (time.perf_counter() - t0) * 1e3}
 
     async def destroy_group(self, body: dict) -> dict:
