@@ -47,9 +47,11 @@ def _vllm(model_dir, **kw):
 
 @pytest.fixture(scope="session")
 def vllm(model_dir):
-    """The shared vLLM server: max 2 LoRA slots, 4 cached adapters, 4 MB body limit."""
+    """The shared vLLM server: max 2 LoRA slots, 4 cached adapters, 4 MB body limit,
+    3 versions kept per name, admin routes behind an API key."""
     server = _vllm(model_dir, max_loras=2, max_cpu_loras=4,
-                   env={"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY})
+                   env={"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
+                        "LORA_SYNC_KEEP_VERSIONS": "3"})
     server.api_key = API_KEY
     with server:
         yield server

@@ -3,6 +3,7 @@
 vLLM loads endpoint plugins only when named in VLLM_PLUGINS; our launcher sets it."""
 from __future__ import annotations
 
+from lora_sync.server.admission import AdmissionMiddleware
 from lora_sync.server.routes import build_router
 from lora_sync.server.service import AdapterService, Settings
 
@@ -17,6 +18,7 @@ class LoRASyncEndpointPlugin:
     def attach_router(self, app) -> None:
         engine_api.check_version()
         app.include_router(build_router("/v1"))
+        app.add_middleware(AdmissionMiddleware)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:

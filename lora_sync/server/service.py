@@ -11,7 +11,7 @@ from .. import naming
 from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check_adapter
 from ..adapter import ModelSpec
 from ..collective import DEFAULT_BUCKET_BYTES
-from ..errors import BadAdapter, LoRASyncError
+from ..errors import BadAdapter, LoRASyncError, NotFound
 from ..staging import stage_body
 from ..wire import TensorSpec
 from .bridge import EngineBridge
@@ -20,7 +20,9 @@ from .bridge import EngineBridge
 @dataclass
 class Settings:
     max_body_bytes: int = 2 * 1024 ** 3
-    keep_versions: int | None = None      # None: keep every version
+    # Newest versions kept servable per name. Two lets rollouts that started on the previous
+    # version finish on it while the new one takes the alias (one-step off-policy).
+    keep_versions: int = 2
     api_key: str | None = None
 
     @classmethod
@@ -28,7 +30,7 @@ class Settings:
         keep = os.environ.get("LORA_SYNC_KEEP_VERSIONS")
         return cls(
             max_body_bytes=int(float(os.environ.get("LORA_SYNC_MAX_BODY_MB", 2048)) * 2 ** 20),
-            keep_versions=int(keep) if keep else None,
+            keep_versions=max(1, int(keep)) if keep else cls.keep_versions,
             api_key=os.environ.get("LORA_SYNC_API_KEY") or None)
 
 
@@ -43,6 +45,8 @@ class AdapterRecord:
     transport: str
     load_ms: float
     loaded_at: float = field(default_factory=time.time)
+    inflight: int = 0          # admitted requests not yet finished
+    retired: bool = False      # out of the window: no new requests, dropped when idle
 
 
 def _metadata_config(meta: dict) -> dict:
@@ -157,6 +161,43 @@ class AdapterService:
                                "handoff": (t2 - t1) * 1e3 - worker_ms,
                                "register": (t3 - t2) * 1e3}}
 
+    # -- admission (see admission.py) -------------------------------------------------
+    def admit(self, requested: str):
+        """The record a generation request naming `requested` will use (counted in flight),
+        an error reply for a retired/unknown version of one of our names, or None when the
+        name is not ours."""
+        name, version = naming.split_versioned(requested)
+        if version is None:
+            latest = self.book.latest(requested)
+            if latest is None:
+                return None
+            rec = self.records[naming.versioned(requested, latest)]
+        else:
+            if name not in self.book.versions:
+                return None
+            rec = self.records.get(requested)
+            if rec is None or rec.retired:
+                available = [naming.versioned(name, v) for v in self.book.versions[name]]
+                return NotFound(f"{requested} is not servable (retired or never loaded); "
+                                f"versions available: {available}",
+                                code="version_retired").to_json()
+        rec.inflight += 1
+        return rec
+
+    def release(self, served_name: str) -> None:
+        rec = self.records.get(served_name)
+        if rec is None:
+            return
+        rec.inflight -= 1
+        if rec.retired and rec.inflight == 0:
+            asyncio.get_running_loop().create_task(self._drop(rec))
+
+    async def _drop(self, rec: AdapterRecord) -> None:
+        if self.records.pop(rec.served_name, None) is None:
+            return  # already dropped
+        self.bridge.unpublish([rec.served_name])
+        await self._forget([rec.adapter_id])
+
     async def _forget(self, adapter_ids: list[int]) -> None:
         try:
             await self.bridge.drop(adapter_ids)
@@ -164,11 +205,14 @@ class AdapterService:
             pass
 
     async def _retire(self, name: str, versions: list[int]) -> None:
-        served = [naming.versioned(name, v) for v in versions]
-        self.bridge.unpublish(served)
-        ids = [self.records.pop(s).adapter_id for s in served if s in self.records]
-        if ids:
-            await self.bridge.drop(ids)
+        """Never waits for generation: idle versions go now, busy ones when their last
+        request finishes (see `release`)."""
+        for v in versions:
+            rec = self.records.get(naming.versioned(name, v))
+            if rec is not None:
+                rec.retired = True
+                if rec.inflight == 0:
+                    await self._drop(rec)
 
     # -- groups ----------------------------------------------------------------------
     async def init_group(self, body: dict) -> dict:
@@ -217,6 +261,7 @@ class AdapterService:
                                               "versions": []})
             entry["versions"].append(asdict(rec))
             entry["alias_target"] = naming.versioned(rec.name, self.book.latest(rec.name))
+            entry["inflight"] = entry.get("inflight", 0) + rec.inflight
         return {"adapters": list(out.values()), "keep_versions": self.settings.keep_versions}
 
 

@@ -1,0 +1,131 @@
+"""Versioned adapters under load on a real vLLM server: retention window, retirement that
+never blocks, alias admission, the version reported back, memory staying flat."""
+import threading
+import time
+
+import pytest
+
+from lora_sync import LoRASyncClient, NotFound, http
+
+from .helpers import AUTH, PROMPT
+
+KEEP = 3  # the session server's LORA_SYNC_KEEP_VERSIONS
+
+
+def versions_of(client, name):
+    for a in client.adapters()[0]["adapters"]:
+        if a["name"] == name:
+            return [v["version"] for v in a["versions"]]
+    return []
+
+
+def test_window_retires_old_versions_with_clear_404(client, make_adapter):
+    for seed in range(5):
+        client.push_tensors(make_adapter(seed=200 + seed), "win")
+    assert versions_of(client, "win") == [3, 4, 5]
+    reply = client.complete(PROMPT, "win", 4)
+    assert reply["version"] == 5 and reply["model"] == "win-v5"
+    with pytest.raises(NotFound) as e:
+        client.complete(PROMPT, "win-v1", 4)
+    assert "win-v3" in str(e.value) and "win-v5" in str(e.value)
+    # The reply headers name the version too (alias requests included).
+    _, _, headers = http.request("POST", f"{client.servers[0].url}/v1/completions",
+                                 json_body={"model": "win", "prompt": PROMPT, "max_tokens": 2})
+    assert headers["x-lora-version"] == "5" and headers["x-lora-name"] == "win-v5"
+
+
+def test_several_names_side_by_side(client, make_adapter):
+    for i in range(4):
+        client.push_tensors(make_adapter(seed=300 + i), "left")
+        client.push_tensors(make_adapter(seed=400 + i), "right")
+    assert versions_of(client, "left") == versions_of(client, "right") == [2, 3, 4]
+    assert client.complete(PROMPT, "left", 8)["text"] != client.complete(PROMPT, "right", 8)["text"]
+
+
+def test_retiring_a_busy_version_never_blocks(client, make_adapter, vllm):
+    """A long streaming request runs on v1 while pushes retire v1: the pushes return at
+    once, the request completes on v1, and v1 is dropped after it ends."""
+    client.push_tensors(make_adapter(seed=500), "busy")
+    done = {}
+
+    def long_request():
+        t0 = time.perf_counter()
+        status, body, headers = http.request(
+            "POST", f"{vllm.url}/v1/completions", timeout=300,
+            json_body={"model": "busy-v1", "prompt": PROMPT, "max_tokens": 480, "n": 8,
+                       "ignore_eos": True, "temperature": 1.0, "stream": True})
+        done.update(status=status, seconds=time.perf_counter() - t0,
+                    version=headers.get("x-lora-version"))
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.3)  # the request is admitted and generating
+    t0 = time.perf_counter()
+    for i in range(KEEP):
+        client.push_tensors(make_adapter(seed=501 + i), "busy")
+    pushes_s = time.perf_counter() - t0
+    [entry] = [a for a in client.adapters()[0]["adapters"] if a["name"] == "busy"]
+    v1 = next(v for v in entry["versions"] if v["version"] == 1)
+    assert v1["retired"] and v1["inflight"] == 1, ("v1 should wait for its request", done)
+    t.join(timeout=300)
+    assert done["status"] == 200 and done["version"] == "1"
+    assert pushes_s < done["seconds"], "pushes waited for generation"
+    deadline = time.time() + 10
+    while 1 in versions_of(client, "busy") and time.time() < deadline:
+        time.sleep(0.1)
+    assert versions_of(client, "busy") == [2, 3, 4]
+    print(f"\npushes took {pushes_s:.2f}s while the v1 request took {done['seconds']:.2f}s")
+
+
+def test_soak_200_versions_while_streaming(vllm, make_adapter):
+    """One thread generates (alias and explicit versions) while another pushes 200
+    versions. No request fails except documented 404s for retired versions, no request is
+    served by the base model, the adapter count equals the window, RSS stays flat."""
+    adapters = [make_adapter(seed=600 + i) for i in range(4)]
+    pusher = LoRASyncClient(vllm.url, api_key=vllm.api_key)
+    reader = LoRASyncClient(vllm.url, api_key=vllm.api_key)
+    pusher.push_tensors(adapters[0], "soak")
+    stop, stats = threading.Event(), {"ok": 0, "retired_404": 0, "bad": []}
+
+    def generate():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            latest = versions_of(reader, "soak")[-1]
+            model = "soak" if i % 2 else f"soak-v{max(1, latest - 1)}"
+            try:
+                r = reader.complete(PROMPT, model, 4)
+                if r["model"] is None or not r["model"].startswith("soak-v"):
+                    stats["bad"].append(("served by", r["model"]))
+                else:
+                    stats["ok"] += 1
+            except NotFound as e:
+                stats["retired_404"] += 1
+                if "version_retired" != e.code:
+                    stats["bad"].append(("404", str(e)))
+            except Exception as e:  # any other failure is a defect
+                stats["bad"].append((type(e).__name__, str(e)))
+    t = threading.Thread(target=generate)
+    t.start()
+    rss = {}
+    try:
+        for v in range(2, 201):
+            pusher.push_tensors(adapters[v % 4], "soak")
+            if v == 20:
+                rss["window_full"] = vllm.rss_bytes()
+        rss["after_200"] = vllm.rss_bytes()
+    finally:
+        stop.set()
+        t.join(timeout=120)
+        pusher.close()
+        reader.close()
+    print(f"\nsoak: {stats['ok']} completions ok, {stats['retired_404']} retired 404s; "
+          f"RSS after 20 pushes {rss['window_full']/2**20:.0f} MiB, "
+          f"after 200 {rss['after_200']/2**20:.0f} MiB")
+    assert not stats["bad"], stats["bad"][:5]
+    assert stats["ok"] > 20
+    with LoRASyncClient(vllm.url, api_key=vllm.api_key) as c:
+        assert versions_of(c, "soak") == [198, 199, 200]
+        info = http.call("GET", c.servers[0].route("lora_sync_info"), headers=AUTH)[0]
+    held = info["worker_status"][0]["held_ids"]
+    assert len(held) <= 60, f"worker holds {len(held)} adapters: retired ones leak"
+    assert rss["after_200"] - rss["window_full"] < 150 * 2 ** 20
