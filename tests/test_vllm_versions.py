@@ -19,6 +19,14 @@ def versions_of(client, name):
     return []
 
 
+def inflight(client, served):
+    for a in client.adapters()[0]["adapters"]:
+        for v in a["versions"]:
+            if v["served_name"] == served:
+                return v["inflight"]
+    return 0
+
+
 def test_window_retires_old_versions_with_clear_404(client, make_adapter):
     for seed in range(5):
         client.push_tensors(make_adapter(seed=200 + seed), "win")
@@ -58,14 +66,17 @@ def test_retiring_a_busy_version_never_blocks(client, make_adapter, vllm):
                     version=headers.get("x-lora-version"))
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(0.3)  # the request is admitted and generating
+    deadline = time.time() + 30
+    while inflight(client, "busy-v1") == 0 and time.time() < deadline:
+        time.sleep(0.02)  # wait until the request is admitted
+    assert inflight(client, "busy-v1") == 1, done
     t0 = time.perf_counter()
     for i in range(KEEP):
         client.push_tensors(make_adapter(seed=501 + i), "busy")
     pushes_s = time.perf_counter() - t0
     [entry] = [a for a in client.adapters()[0]["adapters"] if a["name"] == "busy"]
-    v1 = next(v for v in entry["versions"] if v["version"] == 1)
-    assert v1["retired"] and v1["inflight"] == 1, ("v1 should wait for its request", done)
+    v1 = [v for v in entry["versions"] if v["version"] == 1]
+    assert v1 and v1[0]["retired"] and v1[0]["inflight"] == 1, ("v1 must wait", entry, done)
     t.join(timeout=300)
     assert done["status"] == 200 and done["version"] == "1"
     assert pushes_s < done["seconds"], "pushes waited for generation"

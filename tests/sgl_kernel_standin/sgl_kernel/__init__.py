@@ -7,6 +7,15 @@ lora-sync's integration tests can run a real SGLang server on a CPU-only machine
 
 It is put on PYTHONPATH only for test servers (see tests/sglang_server.py). Never install it
 or use it for serving. Any op it does not implement raises NotImplementedError naming the op.
+
+On SGLang 0.5.23 (dense Llama, no speculative decoding) no op is actually called: SGLang only
+imports names from here at import time. `assign_req_to_token_pool_cpu` (used by speculative
+decoding's `alloc_for_spec_decode`) is implemented with the semantics of SGLang's Triton
+kernel `mem_cache/allocation.py:assign_req_to_token_pool`.
+
+Nothing is registered under `torch.ops.sgl_kernel`, on purpose: SGLang enables its Intel AMX
+paths only when `hasattr(torch.ops.sgl_kernel, "convert_weight_packed")`, so they stay off even
+on AMX hardware, and any `torch.ops.sgl_kernel.<op>` call fails with AttributeError.
 """
 from __future__ import annotations
 
