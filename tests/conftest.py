@@ -1,7 +1,9 @@
-"""Session-scoped fixtures: one tiny local model, one real vLLM CPU server (127.0.0.1)."""
+"""Session-scoped fixtures: one tiny local model and real servers on 127.0.0.1 (vLLM CPU and
+SGLang CPU, one each, shared by the whole session)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,13 +47,38 @@ def _vllm(model_dir, **kw):
     return vllm_server(model_dir, **kw)
 
 
+REPO = Path(__file__).resolve().parents[1]
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+# Test-only: the sgl-kernel stand-in and the pin_memory shim (tests/sgl_kernel_standin).
+SGLANG_TEST_PATH = f"{REPO / 'tests' / 'sgl_kernel_standin'}{os.pathsep}{REPO}"
+SERVER_ENV = {"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
+              "LORA_SYNC_KEEP_VERSIONS": "3"}
+
+
+@pytest.fixture(scope="session")
+def sglang(model_dir):
+    """The shared SGLang CPU server, with the same lora-sync settings as `vllm`."""
+    if not SGLANG_PYTHON.exists():
+        pytest.skip("no .venv-sglang: run scripts/install.sh")
+    from lora_sync.processes import sglang_server
+    server = sglang_server(model_dir, python=str(SGLANG_PYTHON),
+                           env={**SERVER_ENV, "PYTHONPATH": SGLANG_TEST_PATH})
+    server.api_key = API_KEY
+    with server:
+        yield server
+
+
+@pytest.fixture(params=["vllm", "sglang"])
+def server(request):
+    """Each test that takes `server` (or `client`) runs against both engines."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="session")
 def vllm(model_dir):
     """The shared vLLM server: max 2 LoRA slots, 4 cached adapters, 4 MB body limit,
     3 versions kept per name, admin routes behind an API key."""
-    server = _vllm(model_dir, max_loras=2, max_cpu_loras=4,
-                   env={"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
-                        "LORA_SYNC_KEEP_VERSIONS": "3"})
+    server = _vllm(model_dir, max_loras=2, max_cpu_loras=4, env=SERVER_ENV)
     server.api_key = API_KEY
     with server:
         yield server
@@ -65,8 +92,8 @@ def vllm_second(model_dir):
 
 
 @pytest.fixture
-def client(vllm):
+def client(server):
     from lora_sync import LoRASyncClient
-    with LoRASyncClient(vllm.url, api_key=vllm.api_key) as c:
+    with LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key) as c:
         yield c
-    assert vllm.alive(), "the vLLM server died during the test:\n" + vllm.log_tail()
+    assert server.alive(), f"the {server.engine} server died during the test:\n" + server.log_tail()

@@ -19,6 +19,12 @@ def greedy(client, model: str, prompt: str = PROMPT, n: int = 12) -> str:
     return client.complete(prompt, model, n)["text"]
 
 
+def disk_model(client, name: str) -> str:
+    """How a request names an adapter loaded by the engine's own disk route (SGLang's
+    OpenAI routes take 'base:<adapter>'; ours take the plain name on both engines)."""
+    return f"base:{name}" if client.servers[0].engine == "sglang" else name
+
+
 def post_body(server_route: str, body, content_type="application/octet-stream", headers=None):
     """Raw POST of arbitrary bytes; returns (status, reply JSON)."""
     chunks = body if isinstance(body, list) else [body]
@@ -64,6 +70,9 @@ def bad_bodies(adapter, max_rank: int):
             _raw_safetensors({k: v.to(torch.int32) for k, v in t.items()}, adapter), None),
         ("pickle payload", pickle.dumps({"tensors": t}), None),
         ("pickle as JSON route", json.dumps({"serialized_named_tensors": ["gASV"]}).encode(), "application/json"),
+        ("upstream SGLang pickle payload", _upstream_json(pickle.dumps(dict(t))), "application/json"),
+        ("ForkingPickler payload", _upstream_json(_forking_pickle(t)), "application/json"),
+        ("ForkingPickler raw body", _forking_pickle(t), None),
         ("bad name", body_of(adapter, name="a/b"), None),
         ("name with version suffix", body_of(adapter, name="pol-v2"), None),
     ]
@@ -72,3 +81,21 @@ def bad_bodies(adapter, max_rank: int):
 def _raw_safetensors(tensors, adapter):
     from safetensors.torch import save
     return save(tensors, metadata=adapter.metadata("bad"))
+
+
+def _upstream_json(payload: bytes) -> bytes:
+    """SGLang's upstream JSON form of the tensor route (pickled tensors, base64)."""
+    import base64
+    return json.dumps({"lora_name": "bad", "config_dict": {"r": 8},
+                       "serialized_named_tensors": [base64.b64encode(payload).decode()]}).encode()
+
+
+def _forking_pickle(tensors) -> bytes:
+    """Tensors pickled by torch's multiprocessing reducer: shared-memory handles that point
+    into this process (upstream SGLang crashes on these)."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+    import torch.multiprocessing  # noqa: F401  (registers the tensor reducers)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(dict(tensors))
+    return buf.getvalue()

@@ -47,7 +47,7 @@ class VLLMBridge(EngineBridge):
     def publish(self, names, handle):
         engine_api.publish(self.state, names, handle)
 
-    def unpublish(self, names):
+    async def unpublish(self, names):
         engine_api.unpublish(self.state, names)
 
     async def drop(self, adapter_ids):

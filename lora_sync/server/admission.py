@@ -17,9 +17,9 @@ ADAPTER_FIELDS = {"/v1/completions": "model", "/v1/chat/completions": "model",
 
 
 class AdmissionMiddleware:
-    def __init__(self, app, service_of=lambda scope: scope["app"].state.lora_sync):
+    def __init__(self, app, also_set: tuple[str, ...] = ()):
         self.app = app
-        self.service_of = service_of
+        self.also_set = also_set  # more fields to set to the version (engine-specific)
 
     async def __call__(self, scope, receive, send):
         field = ADAPTER_FIELDS.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -32,12 +32,16 @@ class AdmissionMiddleware:
         except ValueError:
             request = None
         name = request.get(field) if isinstance(request, dict) else None
-        admitted = service.admit(name) if service is not None and isinstance(name, str) else None
+        admitted = None
+        if service is not None and isinstance(name, str):
+            # SGLang style "base:adapter" names the adapter after the colon.
+            admitted = service.admit(name.rsplit(":", 1)[-1])
         if admitted is None:  # not ours: pass through untouched
             return await self.app(scope, _replay(body, receive), send)
         if isinstance(admitted, dict):  # a retired or unknown version of one of our names
             return await _json_reply(send, 404, admitted)
-        request[field] = admitted.served_name
+        for f in (field, *self.also_set):
+            request[f] = admitted.served_name
         body = json.dumps(request).encode()
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}

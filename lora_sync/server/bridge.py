@@ -37,7 +37,7 @@ class EngineBridge(ABC):
         """Makes requests naming any of `names` use `handle` (atomic per name)."""
 
     @abstractmethod
-    def unpublish(self, names: list[str]) -> None:
+    async def unpublish(self, names: list[str]) -> None:
         """New requests naming these get a 404."""
 
     @abstractmethod

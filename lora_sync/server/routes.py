@@ -3,6 +3,7 @@ Mounted under /v1 on vLLM and at the root on SGLang."""
 from __future__ import annotations
 
 import hmac
+import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -10,6 +11,7 @@ from fastapi.responses import JSONResponse
 from ..errors import BadAdapter, LoRASyncError, Unauthorized
 from .service import AdapterService
 
+logger = logging.getLogger("lora_sync")
 PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
                "application/octet-stream (see docs/protocol.md); pickled tensors are refused")
 
@@ -47,6 +49,10 @@ def build_router(prefix: str = "") -> APIRouter:
             return JSONResponse(await action(service))
         except LoRASyncError as e:
             return JSONResponse(e.to_json(), status_code=e.status)
+        except Exception as e:  # a bug of ours or the engine's: say so, keep serving
+            logger.exception("lora-sync route %s failed", request.url.path)
+            err = LoRASyncError(f"{type(e).__name__}: {e}")
+            return JSONResponse(err.to_json(), status_code=err.status)
 
     @router.post("/load_lora_adapter_from_tensors")
     async def load_from_tensors(request: Request):

@@ -195,7 +195,7 @@ class AdapterService:
     async def _drop(self, rec: AdapterRecord) -> None:
         if self.records.pop(rec.served_name, None) is None:
             return  # already dropped
-        self.bridge.unpublish([rec.served_name])
+        await self.bridge.unpublish([rec.served_name])
         await self._forget([rec.adapter_id])
 
     async def _forget(self, adapter_ids: list[int]) -> None:

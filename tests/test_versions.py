@@ -1,4 +1,4 @@
-"""Versioned adapters under load on a real vLLM server: retention window, retirement that
+"""Versioned adapters under load on real vLLM and SGLang servers: retention window, retirement that
 never blocks, alias admission, the version reported back, memory staying flat."""
 import threading
 import time
@@ -50,7 +50,7 @@ def test_several_names_side_by_side(client, make_adapter):
     assert client.complete(PROMPT, "left", 8)["text"] != client.complete(PROMPT, "right", 8)["text"]
 
 
-def test_retiring_a_busy_version_never_blocks(client, make_adapter, vllm):
+def test_retiring_a_busy_version_never_blocks(client, make_adapter, server):
     """A long streaming request runs on v1 while pushes retire v1: the pushes return at
     once, the request completes on v1, and v1 is dropped after it ends."""
     client.push_tensors(make_adapter(seed=500), "busy")
@@ -59,7 +59,7 @@ def test_retiring_a_busy_version_never_blocks(client, make_adapter, vllm):
     def long_request():
         t0 = time.perf_counter()
         status, body, headers = http.request(
-            "POST", f"{vllm.url}/v1/completions", timeout=300,
+            "POST", f"{server.url}/v1/completions", timeout=300,
             json_body={"model": "busy-v1", "prompt": PROMPT, "max_tokens": 480, "n": 8,
                        "ignore_eos": True, "temperature": 1.0, "stream": True})
         done.update(status=status, seconds=time.perf_counter() - t0,
@@ -87,13 +87,13 @@ def test_retiring_a_busy_version_never_blocks(client, make_adapter, vllm):
     print(f"\npushes took {pushes_s:.2f}s while the v1 request took {done['seconds']:.2f}s")
 
 
-def test_soak_200_versions_while_streaming(vllm, make_adapter):
+def test_soak_200_versions_while_streaming(server, make_adapter):
     """One thread generates (alias and explicit versions) while another pushes 200
     versions. No request fails except documented 404s for retired versions, no request is
     served by the base model, the adapter count equals the window, RSS stays flat."""
     adapters = [make_adapter(seed=600 + i) for i in range(4)]
-    pusher = LoRASyncClient(vllm.url, api_key=vllm.api_key)
-    reader = LoRASyncClient(vllm.url, api_key=vllm.api_key)
+    pusher = LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key)
+    reader = LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key)
     pusher.push_tensors(adapters[0], "soak")
     stop, stats = threading.Event(), {"ok": 0, "retired_404": 0, "bad": []}
 
@@ -122,19 +122,19 @@ def test_soak_200_versions_while_streaming(vllm, make_adapter):
         for v in range(2, 201):
             pusher.push_tensors(adapters[v % 4], "soak")
             if v == 20:
-                rss["window_full"] = vllm.rss_bytes()
-        rss["after_200"] = vllm.rss_bytes()
+                rss["window_full"] = server.rss_bytes()
+        rss["after_200"] = server.rss_bytes()
     finally:
         stop.set()
         t.join(timeout=120)
         pusher.close()
         reader.close()
-    print(f"\nsoak: {stats['ok']} completions ok, {stats['retired_404']} retired 404s; "
+    print(f"\nsoak ({server.engine}): {stats['ok']} completions ok, {stats['retired_404']} retired 404s; "
           f"RSS after 20 pushes {rss['window_full']/2**20:.0f} MiB, "
           f"after 200 {rss['after_200']/2**20:.0f} MiB")
     assert not stats["bad"], stats["bad"][:5]
     assert stats["ok"] > 20
-    with LoRASyncClient(vllm.url, api_key=vllm.api_key) as c:
+    with LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key) as c:
         assert versions_of(c, "soak") == [198, 199, 200]
         info = http.call("GET", c.servers[0].route("lora_sync_info"), headers=AUTH)[0]
     held = info["worker_status"][0]["held_ids"]

@@ -1,10 +1,10 @@
-"""The tensor route on a real vLLM CPU server."""
+"""The tensor route on real vLLM and SGLang CPU servers."""
 import pytest
 
-from lora_sync import http
+from lora_sync import LoRASyncClient, http
 from lora_sync.errors import VersionConflict
 
-from .helpers import AUTH, bad_bodies, greedy, post_body
+from .helpers import AUTH, bad_bodies, disk_model, greedy, post_body
 
 
 def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
@@ -14,7 +14,7 @@ def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
     [res] = client.push_tensors(adapter, "t11")
     assert res.name == "t11-v1" and res.version == 1 and res.bytes == adapter.nbytes
     assert res.reply["load_ms"] > 0
-    from_disk = greedy(client, "disk-11")
+    from_disk = greedy(client, disk_model(client, "disk-11"))
     assert greedy(client, "t11-v1") == from_disk
     assert greedy(client, "t11") == from_disk
     assert greedy(client, "base") != from_disk
@@ -37,7 +37,7 @@ def test_versions_and_alias(client, make_adapter):
     assert greedy(client, "ver") == out_v1
 
 
-def test_bad_inputs_are_refused_and_previous_version_keeps_serving(client, make_adapter, vllm):
+def test_bad_inputs_are_refused_and_previous_version_keeps_serving(client, make_adapter, server):
     good = make_adapter(seed=31)
     client.push_tensors(good, "bad")
     before = greedy(client, "bad")
@@ -51,22 +51,23 @@ def test_bad_inputs_are_refused_and_previous_version_keeps_serving(client, make_
         assert 400 <= status < 500, (case, status, reply)
         assert reply["error"]["message"], case
         assert greedy(client, "bad") == before, case
-    assert vllm.alive()
+    assert server.alive()
     # Nothing half-registered: still exactly one version of 'bad'.
     [entry] = [a for a in client.adapters()[0]["adapters"] if a["name"] == "bad"]
     assert [v["version"] for v in entry["versions"]] == [1]
     print("\nbad-input replies:", seen)
 
 
-def test_body_above_limit_is_refused(client, vllm):
+def test_body_above_limit_is_refused(client):
     route = client.servers[0].route("load_lora_adapter_from_tensors")
     status, reply = post_body(route, b"\0" * (5 * 2 ** 20))  # server limit: 4 MB
     assert status == 413 and "limit" in reply["error"]["message"]
 
 
-def test_adapter_survives_lru_eviction(client, make_adapter):
-    """Server keeps 4 adapters in its CPU cache: the first one is evicted, then rebuilt
-    from memory (it has no path) with identical output."""
+def test_adapter_survives_lru_eviction(vllm, make_adapter):
+    """vLLM keeps 4 adapters in its CPU cache: the first one is evicted, then rebuilt from
+    memory (it has no path) with identical output."""
+    client = LoRASyncClient(vllm.url, api_key=vllm.api_key)
     client.push_tensors(make_adapter(seed=41), "lru0")
     first = greedy(client, "lru0")
     for i in range(1, 6):

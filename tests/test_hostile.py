@@ -12,11 +12,12 @@ from lora_sync.errors import BadAdapter, Unauthorized, VersionConflict
 from .helpers import greedy, post_body
 
 
-def test_admin_routes_need_the_api_key(vllm, client, make_adapter):
+def test_admin_routes_need_the_api_key(client, make_adapter):
     client.push_tensors(make_adapter(seed=111), "guarded")
     before = greedy(client, "guarded")
     for key in (None, "wrong-key"):
-        with LoRASyncClient(vllm.url, api_key=key) as intruder:
+        with LoRASyncClient(client.servers[0].url, engine=client.servers[0].engine,
+                        api_key=key) as intruder:
             with pytest.raises(Unauthorized):
                 intruder.push_tensors(make_adapter(seed=112), "guarded")
             with pytest.raises(Unauthorized):

@@ -1,0 +1,1 @@
+"""lora-sync for SGLang: plugin (routes + scheduler handlers), engine bridge and launcher."""

@@ -1,0 +1,164 @@
+"""Every touch of SGLang's private API, in one place, for the pinned version.
+
+HTTP process: the tokenizer manager (its scheduler channel and LoRA registry) and the app.
+Scheduler process: the request dispatcher and the LoRA manager of its model runner.
+Messages between them are two small msgspec structs of our own (docs/sglang_notes.md §5).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict
+
+import msgspec
+from sglang.srt.managers.io_struct import BaseReq
+
+TESTED_SGLANG = "0.5.23"
+OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
+LORA_PATH_MARK = "__lora_sync__"  # never a real path: SGLang must not re-load these from disk
+
+
+class LoRASyncReq(BaseReq, kw_only=True):
+    op: str
+    args: Dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class LoRASyncOut(BaseReq, kw_only=True):
+    result: Dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+def check_version() -> str:
+    import sglang
+    version = sglang.__version__
+    if version != TESTED_SGLANG and os.environ.get(OVERRIDE_ENV) != "1":
+        raise RuntimeError(
+            f"lora-sync is tested with SGLang {TESTED_SGLANG}, found {version}. It touches "
+            f"private SGLang APIs that change between releases; set {OVERRIDE_ENV}=1 to try.")
+    return version
+
+
+def register_hooks(on_scheduler: Callable, on_tokenizer_manager: Callable) -> None:
+    """Runs `on_scheduler(scheduler)` in every scheduler process and
+    `on_tokenizer_manager(tm)` in the HTTP process, once their dispatchers exist."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
+                          lambda result, self, *a, **k: on_scheduler(self), HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_request_dispatcher",
+        lambda result, self, *a, **k: on_tokenizer_manager(self), HookType.AFTER)
+
+
+# ---------------------------------------------------------------- scheduler side
+def add_scheduler_handler(scheduler, handle: Callable[[Any, dict], dict]) -> None:
+    import logging
+
+    from sglang.utils import TypeBasedDispatcher
+
+    def on_request(req: LoRASyncReq) -> LoRASyncOut:
+        # An exception escaping a scheduler handler kills the whole server: never let one.
+        try:
+            return LoRASyncOut(result=handle(req.op, req.args))
+        except Exception as e:
+            logging.getLogger("lora_sync").exception("lora-sync %s failed", req.op)
+            return LoRASyncOut(result={"ok": False, "status": 500, "code": "internal_error",
+                                       "message": f"{req.op} failed in the scheduler: {e!r}"})
+    scheduler._request_dispatcher += TypeBasedDispatcher([(LoRASyncReq, on_request)])
+
+
+def scheduler_rank(scheduler) -> tuple[int, int]:
+    from sglang.srt.runtime_context import get_parallel
+    parallel = get_parallel()
+    return parallel.tp_rank, parallel.tp_size
+
+
+def lora_manager(scheduler):
+    manager = scheduler.tp_worker.model_runner.lora_manager
+    if manager is None:
+        raise RuntimeError("SGLang runs without LoRA (start it with --enable-lora)")
+    return manager
+
+
+def load_adapter(scheduler, lora_id: str, tensors: dict, config: dict) -> None:
+    """SGLang's own path: LoRAConfig.from_dict + LoRAAdapter.initialize_weights_from_tensors."""
+    from sglang.srt.lora.lora_registry import LoRARef
+    ref = LoRARef(lora_id=lora_id, lora_name=lora_id, lora_path=LORA_PATH_MARK, pinned=False)
+    out = lora_manager(scheduler).load_lora_adapter_from_tensors(ref, tensors, config)
+    if not out.success:
+        raise ValueError(out.error_message or "SGLang refused the adapter")
+
+
+def unload_adapter(scheduler, lora_id: str) -> None:
+    from sglang.srt.lora.lora_registry import LoRARef
+    manager = lora_manager(scheduler)
+    if lora_id in manager.lora_refs:
+        manager.unload_lora_adapter(LoRARef(lora_id=lora_id, lora_name=lora_id,
+                                            lora_path=LORA_PATH_MARK, pinned=False))
+    else:  # a load that failed half-way leaves these behind
+        manager.configs.pop(lora_id, None)
+        manager.loras.pop(lora_id, None)
+
+
+def loaded_ids(scheduler) -> list[str]:
+    return sorted(lora_manager(scheduler).loras)
+
+
+# ---------------------------------------------------------------- HTTP process side
+class SchedulerChannel:
+    """Sends a LoRASyncReq to the scheduler(s) and awaits the reply."""
+
+    def __init__(self, tm):
+        from sglang.srt.managers.communicator import FanOutCommunicator
+        from sglang.utils import TypeBasedDispatcher
+        self.tm = tm
+        self.comm = FanOutCommunicator(tm._dispatch_to_scheduler, 1)
+        tm._result_dispatcher += TypeBasedDispatcher([(LoRASyncOut, self.comm.handle_recv)])
+
+    async def call(self, op: str, **args) -> dict:
+        self.tm.auto_create_handle_loop()
+        [out] = await self.comm(LoRASyncReq(op=op, args=args))
+        return out.result
+
+
+def add_routes_and_middleware(router, middleware):
+    """Adds our routes, replacing upstream ones on the same paths (upstream's
+    /load_lora_adapter_from_tensors takes pickled tensors: ours refuses anything but a
+    safetensors body), and the admission middleware."""
+    from sglang.srt.entrypoints.http_server import app
+    ours = {r.path for r in router.routes}
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in ours]
+    app.include_router(router)
+    app.add_middleware(middleware)
+    return app
+
+
+def hf_config(tm):
+    return tm.model_config.hf_config
+
+
+def max_lora_rank(tm) -> int:
+    return int(tm.server_args.max_lora_rank)
+
+
+def tp_size(tm) -> int:
+    return int(tm.server_args.tp_size)
+
+
+async def register_name(tm, served_name: str, lora_id: str) -> None:
+    from sglang.srt.lora.lora_registry import LoRARef
+    await tm.lora_registry.register(LoRARef(lora_id=lora_id, lora_name=served_name,
+                                            lora_path=LORA_PATH_MARK, pinned=False))
+
+
+async def unregister_name(tm, served_name: str) -> None:
+    import asyncio
+    if served_name not in tm.lora_registry.get_all_adapters():
+        return
+    lora_id = await tm.lora_registry.unregister(served_name)
+    try:  # only frees the registry's counter: our own count says no request is left
+        await asyncio.wait_for(tm.lora_registry.wait_for_unload(lora_id), 0.5)
+    except asyncio.TimeoutError:
+        pass
+
+
+def lora_id_of(adapter_id: int) -> str:
+    """SGLang keys adapters by string ids; ours are engine-wide integers."""
+    return f"lora-sync-{adapter_id}"
