@@ -59,6 +59,8 @@ SERVER_ENV = {"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
 def sglang(model_dir):
     """The shared SGLang CPU server, with the same lora-sync settings as `vllm`."""
     if not SGLANG_PYTHON.exists():
+        if os.environ.get("CI"):
+            pytest.fail("no .venv-sglang in CI: scripts/install.sh did not install SGLang")
         pytest.skip("no .venv-sglang: run scripts/install.sh")
     from lora_sync.processes import sglang_server
     server = sglang_server(model_dir, python=str(SGLANG_PYTHON),
