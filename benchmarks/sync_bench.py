@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from lora_sync import LoRAAdapter, LoRASyncClient, ModelSpec
-from lora_sync.processes import vllm_server
+from lora_sync.processes import sglang_server, vllm_server
 from lora_sync.tiny_model import QWEN_05B_SHAPES, build_tiny_model
 
 from . import limits
@@ -64,62 +64,95 @@ def sync_once(client: LoRASyncClient, transport: str, adapter: LoRAAdapter, name
     return res.name, phases
 
 
-def first_completion_s(client, served: str) -> float:
+def first_completion_s(client, served: str, transport: str) -> float:
+    """The first completion that names the new version (on SGLang a disk-loaded adapter is
+    named 'base:<name>' in OpenAI requests)."""
+    if transport.startswith("disk") and client.servers[0].engine == "sglang":
+        served = f"base:{served}"
     t0 = time.perf_counter()
     client.complete("the quick brown", served, max_tokens=1)
     return time.perf_counter() - t0
 
 
-def run(model_dir: Path, ranks: list[int], reps: int, engine_url: str | None, out: Path,
-        dtype: str, progress: bool = True, api_key: str | None = None) -> dict:
+def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str):
+    if engine == "vllm":
+        return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8).start()
+    # SGLang on CPU needs the sgl-kernel stand-in (PyPI ships CUDA kernels only); see
+    # docs/sglang_notes.md. It lives with the tests and is used here for the same reason.
+    repo = Path(__file__).resolve().parents[1]
+    path = f"{repo / 'tests' / 'sgl_kernel_standin'}{os.pathsep}{repo}"
+    return sglang_server(model_dir, max_lora_rank=max_rank, extra_args=["--dtype", dtype],
+                         python=str(repo / ".venv-sglang" / "bin" / "python"),
+                         env={"PYTHONPATH": path}).start()
+
+
+def bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar) -> list[dict]:
+    """Every transport, `reps` times per rank, against one server."""
+    engine, samples = client.servers[0].engine, []
+    client.init_group()
+    for rank in ranks:
+        adapter = random_adapter(model_dir, rank, getattr(torch, dtype))
+        for rep in range(reps + 1):  # rep 0 warms up and is not reported
+            for transport in TRANSPORTS:
+                served, phases = sync_once(client, transport, adapter, f"r{rank}", scratch)
+                first = first_completion_s(client, served, transport)
+                if rep:
+                    samples.append({"engine": engine, "transport": transport, "rank": rank,
+                                    "bytes": adapter.nbytes, "rep": rep, "phases": phases,
+                                    "first_completion_s": first})
+                if bar:
+                    bar.update()
+    client.destroy_group()
+    return samples
+
+
+def bench_limits(model_dir, ranks, reps, dtype) -> list[dict]:
+    """Raw memcpy / loopback HTTP POST / gloo broadcast of the same bytes."""
+    samples = []
+    for rank in ranks:
+        nbytes = random_adapter(model_dir, rank, getattr(torch, dtype)).nbytes
+        row = {"engine": "raw", "rank": rank, "bytes": nbytes}
+        for t in limits.gloo_broadcast_s([nbytes] * reps):
+            samples.append({**row, "transport": "gloo_broadcast", "phases": {"total": t}})
+        with limits.HttpSink() as sink:
+            sink.post_s(nbytes)
+            for _ in range(reps):
+                samples.append({**row, "transport": "http_post",
+                                "phases": {"total": sink.post_s(nbytes)}})
+        for _ in range(reps):
+            samples.append({**row, "transport": "memcpy",
+                            "phases": {"total": limits.memcpy_s(nbytes)}})
+    return samples
+
+
+def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, dtype: str,
+        progress: bool = True, api_key: str | None = None) -> dict:
+    """`servers`: engine names to start ("vllm", "sglang") or running (engine, url) pairs."""
     torch.set_num_threads(1)  # with two threads on two cores the trainer stalls randomly
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="lora-bench-"))
-    server = None
-    if engine_url is None:
-        server = vllm_server(model_dir, max_lora_rank=max(ranks), dtype=dtype,
-                             max_cpu_loras=8).start()
-        engine_url = server.url
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(servers) * len(ranks) * (reps + 1) * len(TRANSPORTS),
+                   desc="sync benchmark", unit="sync")
     samples = []
     try:
-        client = LoRASyncClient(engine_url, api_key=api_key)
-        client.init_group()
-        total = len(ranks) * (reps + 1) * len(TRANSPORTS)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=total, desc="sync benchmark", unit="sync")
-        for rank in ranks:
-            adapter = random_adapter(model_dir, rank, getattr(torch, dtype))
-            nbytes = adapter.nbytes
-            for rep in range(reps + 1):  # rep 0 warms up and is not reported
-                for transport in TRANSPORTS:
-                    served, phases = sync_once(client, transport, adapter, f"r{rank}", scratch)
-                    first = first_completion_s(client, served)
-                    if rep:
-                        samples.append({"engine": "vllm", "transport": transport, "rank": rank,
-                                        "bytes": nbytes, "rep": rep, "phases": phases,
-                                        "first_completion_s": first})
-                    if bar:
-                        bar.update()
-            sizes = [nbytes] * reps
-            for s in limits.gloo_broadcast_s(sizes):
-                samples.append({"engine": "raw", "transport": "gloo_broadcast", "rank": rank,
-                                "bytes": nbytes, "phases": {"total": s}})
-            with limits.HttpSink() as sink:
-                sink.post_s(nbytes)
-                for _ in range(reps):
-                    samples.append({"engine": "raw", "transport": "http_post", "rank": rank,
-                                    "bytes": nbytes, "phases": {"total": sink.post_s(nbytes)}})
-            for _ in range(reps):
-                samples.append({"engine": "raw", "transport": "memcpy", "rank": rank,
-                                "bytes": nbytes, "phases": {"total": limits.memcpy_s(nbytes)}})
-        client.destroy_group()
+        for entry in servers:
+            started = None
+            if isinstance(entry, str):
+                started = start_server(entry, model_dir, max(ranks), dtype)
+                entry = (entry, started.url)
+            try:
+                with LoRASyncClient(entry[1], engine=entry[0], api_key=api_key) as client:
+                    samples += bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar)
+            finally:
+                if started is not None:
+                    started.stop()
+        samples += bench_limits(model_dir, ranks, reps, dtype)
+    finally:
         if bar:
             bar.close()
-    finally:
-        if server is not None:
-            server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     result = {"machine": machine(), "model": str(model_dir), "dtype": dtype, "ranks": ranks,
               "reps": reps, "samples": samples, "summary": summarize(samples)}
@@ -130,9 +163,11 @@ def run(model_dir: Path, ranks: list[int], reps: int, engine_url: str | None, ou
 
 def machine() -> dict:
     import vllm
+    from sglang_ext import TESTED_SGLANG
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "vllm": vllm.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "vllm": vllm.__version__, "sglang": TESTED_SGLANG,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _median(xs):
@@ -158,9 +193,9 @@ def summarize(samples: list[dict]) -> list[dict]:
                      "first_completion_s": _median([s.get("first_completion_s") for s in group
                                                     if s.get("first_completion_s")])})
     for row in rows:
-        rank = row["rank"]
-        disk = med.get(("vllm", "disk", rank), {}).get("total")
-        tens = med.get(("vllm", "tensors", rank), {})
+        rank, engine = row["rank"], row["engine"]
+        disk = med.get((engine, "disk", rank), {}).get("total")
+        tens = med.get((engine, "tensors", rank), {})
         registration = tens.get("worker", 0) + tens.get("register", 0)
         raw = {"tensors": ("raw", "http_post"), "broadcast": ("raw", "gloo_broadcast")}
         if row["engine"] != "raw" and disk:
@@ -213,7 +248,10 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, rank 8, 3 repetitions")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64, 128])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--server-url", help="an already running lora-sync vLLM server")
+    p.add_argument("--engines", nargs="+", default=["vllm", "sglang"],
+                   help="servers to start, one after the other")
+    p.add_argument("--server-url", help="an already running lora-sync server instead")
+    p.add_argument("--server-engine", default="vllm", help="the engine of --server-url")
     p.add_argument("--model-dir", help="the model that server runs")
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -226,7 +264,8 @@ def main() -> None:
         ranks, reps, dtype = a.ranks, a.reps, "bfloat16"
         model_dir = Path(a.model_dir) if a.model_dir else build_tiny_model(
             scratch / "qwen05b-shapes", dtype="bfloat16", **QWEN_05B_SHAPES)
-    result = run(model_dir, ranks, reps, a.server_url, Path(a.out), dtype, a.progress)
+    servers = [(a.server_engine, a.server_url)] if a.server_url else a.engines
+    result = run(model_dir, ranks, reps, servers, Path(a.out), dtype, a.progress)
     text = print_table(result["summary"])
     (Path(a.out) / "table.txt").write_text(text + "\n")
     print(f"\nraw samples: {a.out}/results.json  plot: {a.out}/results.png")

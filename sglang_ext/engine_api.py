@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict
 import msgspec
 from sglang.srt.managers.io_struct import BaseReq
 
-TESTED_SGLANG = "0.5.23"
+from . import TESTED_SGLANG
 OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
 LORA_PATH_MARK = "__lora_sync__"  # never a real path: SGLang must not re-load these from disk
 

@@ -5,20 +5,22 @@ import json
 from benchmarks.sync_bench import TRANSPORTS, print_table, run
 
 
-def test_quick_benchmark_produces_well_formed_output(vllm, model_dir, workdir):
+def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, workdir):
     out = workdir / "bench"
-    result = run(model_dir, [8], 2, vllm.url, out, "float32", progress=False,
-                 api_key=vllm.api_key)
+    result = run(model_dir, [8], 2, [("vllm", vllm.url), ("sglang", sglang.url)], out,
+                 "float32", progress=False, api_key=vllm.api_key)
     saved = json.loads((out / "results.json").read_text())
     assert saved["machine"]["vllm"] == "0.32.0"
     kinds = {(s["engine"], s["transport"]) for s in saved["samples"]}
-    assert {("vllm", t) for t in TRANSPORTS} <= kinds
+    assert {(e, t) for t in TRANSPORTS for e in ("vllm", "sglang")} <= kinds
     assert {("raw", "http_post"), ("raw", "gloo_broadcast"), ("raw", "memcpy")} <= kinds
     for s in saved["samples"]:
         assert s["bytes"] > 0 and s["phases"]["total"] > 0
     rows = {(r["engine"], r["transport"]): r for r in result["summary"]}
-    assert rows[("vllm", "tensors")]["x_limit"] > 0
-    assert set(rows[("vllm", "tensors")]["phases_s"]) >= {"receive", "worker", "handoff",
-                                                           "register", "total"}
+    for engine in ("vllm", "sglang"):
+        assert rows[(engine, "tensors")]["x_limit"] > 0
+        assert rows[(engine, "broadcast")]["speedup_over_disk"] > 0
+        assert set(rows[(engine, "tensors")]["phases_s"]) >= {"receive", "worker", "handoff",
+                                                              "register", "total"}
     assert (out / "results.png").stat().st_size > 0
     assert "tensors" in print_table(result["summary"])
