@@ -197,6 +197,9 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
     halves: dict[str, dict[str, tuple]] = {}
     for s in specs:
         module, half = parse_peft_key(s.name)
+        if module.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens"):
+            raise BadAdapter(f"tensor {s.name!r}: LoRA on {module} (embeddings / LM head) is "
+                             "not supported; only the model's linear layers", code="unsupported_module")
         if module not in model.linear:
             raise BadAdapter(f"tensor {s.name!r}: the base model has no LoRA-able module "
                              f"{module!r}", code="unknown_module")

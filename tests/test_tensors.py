@@ -64,6 +64,21 @@ def test_body_above_limit_is_refused(client):
     assert status == 413 and "limit" in reply["error"]["message"]
 
 
+def test_1gb_body_refused_before_it_is_read(client):
+    """Content-Length says 1 GB (limit 4 MB): the server answers 413 at once, without
+    waiting for (or buffering) the body."""
+    import socket
+    from urllib.parse import urlsplit
+    u = urlsplit(client.servers[0].route("load_lora_adapter_from_tensors"))
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall((f"POST {u.path} HTTP/1.1\r\nHost: {u.hostname}\r\n"
+                      f"Authorization: {AUTH['Authorization']}\r\n"
+                      "Content-Type: application/octet-stream\r\n"
+                      f"Content-Length: {2 ** 30}\r\n\r\n").encode() + b"\0" * 65536)
+        head = sock.recv(4096).decode(errors="replace")
+    assert head.startswith("HTTP/1.1 413"), head[:200]
+
+
 def test_adapter_survives_lru_eviction(vllm, make_adapter):
     """vLLM keeps 4 adapters in its CPU cache: the first one is evicted, then rebuilt from
     memory (it has no path) with identical output."""

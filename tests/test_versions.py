@@ -140,3 +140,43 @@ def test_soak_200_versions_while_streaming(server, make_adapter):
     held = info["worker_status"][0]["held_ids"]
     assert len(held) <= 60, f"worker holds {len(held)} adapters: retired ones leak"
     assert rss["after_200"] - rss["window_full"] < 150 * 2 ** 20
+
+
+def test_sglang_generate_route_and_paused_generation(sglang, make_adapter):
+    """SGLang's native /generate names adapters in lora_path (alias or version). With
+    generation paused, retiring the version a paused request uses still returns at once
+    (upstream's unload would wait for the paused request forever)."""
+    with LoRASyncClient(sglang.url, engine="sglang", api_key=sglang.api_key) as c:
+        c.push_tensors(make_adapter(seed=700), "paused")
+        body = {"text": PROMPT, "lora_path": "paused",
+                "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}
+        status, out, headers = http.request("POST", f"{sglang.url}/generate", json_body=body)
+        assert status == 200 and headers["x-lora-version"] == "1"
+        assert out["text"] == c.complete(PROMPT, "paused-v1", 12)["text"]
+
+        done = {}
+        long = {"text": PROMPT, "lora_path": "paused-v1", "sampling_params": {
+            "max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0}}
+        t = threading.Thread(target=lambda: done.update(zip(
+            ("status", "out", "headers"),
+            http.request("POST", f"{sglang.url}/generate", json_body=long, timeout=300))))
+        t.start()
+        deadline = time.time() + 30
+        while inflight(c, "paused-v1") == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        http.call("POST", f"{sglang.url}/pause_generation", json_body={"mode": "in_place"})
+        try:
+            t0 = time.perf_counter()
+            for i in range(KEEP):  # retires v1 while its request is paused
+                c.push_tensors(make_adapter(seed=701 + i), "paused")
+            pushes_s = time.perf_counter() - t0
+            assert versions_of(c, "paused") == [1, 2, 3, 4]  # v1 drains, not dropped
+        finally:
+            http.call("POST", f"{sglang.url}/continue_generation", json_body={})
+        t.join(timeout=300)
+        assert done["status"] == 200 and done["headers"]["x-lora-version"] == "1"
+        deadline = time.time() + 10
+        while 1 in versions_of(c, "paused") and time.time() < deadline:
+            time.sleep(0.1)
+        assert versions_of(c, "paused") == [2, 3, 4]
+        print(f"\npushes during pause took {pushes_s:.2f}s")

@@ -35,6 +35,7 @@ class WorkerState:
     def stage_from_shm(self, path: str, config: dict) -> StoredAdapter:
         """Views the staged body in place: the tensors share the (copy-on-write) mapping."""
         header, tensors = open_staged(path)
+        check_finite(tensors)
         return StoredAdapter(tensors, config, header.total_bytes - header.data_start)
 
     def receive(self, group_name: str, specs: list[dict], config: dict, bucket_bytes: int,
@@ -52,6 +53,7 @@ class WorkerState:
                                  "was dropped, create a new one") from e
         if device != "cpu":
             tensors = {k: v.cpu() for k, v in tensors.items()}
+        check_finite(tensors)
         if checksum and tensors_checksum(tensors) != checksum:
             raise BadAdapter("received tensors do not match the checksum", code="checksum_mismatch")
         return StoredAdapter(tensors, config, sum(s.nbytes for b in plan for s in b.specs))
@@ -80,6 +82,13 @@ class WorkerState:
         if pg is not None:
             pg.shutdown()
         return pg is not None
+
+
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """NaN/Inf weights would silently poison every request on the version: refuse them."""
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise BadAdapter(f"tensor {name!r} contains NaN or Inf values", code="non_finite")
 
 
 def clone_mutable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
