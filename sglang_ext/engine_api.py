@@ -6,14 +6,14 @@ Messages between them are two small msgspec structs of our own (docs/sglang_note
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Dict
 
 import msgspec
 from sglang.srt.managers.io_struct import BaseReq
 
+from lora_sync.server.pins import require_tested
+
 from . import TESTED_SGLANG
-OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
 LORA_PATH_MARK = "__lora_sync__"  # never a real path: SGLang must not re-load these from disk
 
 
@@ -28,12 +28,7 @@ class LoRASyncOut(BaseReq, kw_only=True):
 
 def check_version() -> str:
     import sglang
-    version = sglang.__version__
-    if version != TESTED_SGLANG and os.environ.get(OVERRIDE_ENV) != "1":
-        raise RuntimeError(
-            f"lora-sync is tested with SGLang {TESTED_SGLANG}, found {version}. It touches "
-            f"private SGLang APIs that change between releases; set {OVERRIDE_ENV}=1 to try.")
-    return version
+    return require_tested("SGLang", sglang.__version__, TESTED_SGLANG)
 
 
 def register_hooks(on_scheduler: Callable, on_tokenizer_manager: Callable) -> None:

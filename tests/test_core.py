@@ -140,3 +140,23 @@ def test_buckets_round_trip_and_respect_size():
     for b in plan:
         out.update(collective.unpack_bucket(b, collective.pack_bucket(b, t)))
     assert all(torch.equal(out[k], t[k]) for k in t)
+
+
+def test_untested_engine_version_is_refused_unless_overridden(monkeypatch):
+    from lora_sync.server.pins import OVERRIDE_ENV, require_tested
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    assert require_tested("vLLM", "0.32.0", "0.32.0") == "0.32.0"
+    with pytest.raises(RuntimeError, match="tested with vLLM 0.32.0, found 0.33.0"):
+        require_tested("vLLM", "0.33.0", "0.32.0")
+    monkeypatch.setenv(OVERRIDE_ENV, "1")
+    assert require_tested("vLLM", "0.33.0", "0.32.0") == "0.33.0"
+
+
+def test_vllm_launcher_adds_what_lora_sync_needs(monkeypatch):
+    from vllm_ext.plugin import WORKER_EXTENSION
+    from vllm_ext.serve import prepare
+    monkeypatch.setenv("VLLM_PLUGINS", "other")
+    argv = prepare(["--model", "m"])
+    assert "--enable-lora" in argv and argv[-1] == WORKER_EXTENSION
+    import os
+    assert os.environ["VLLM_PLUGINS"] == "other,lora_sync"

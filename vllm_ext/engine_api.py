@@ -5,21 +5,14 @@ Worker side: the LoRA manager, LoRAModel construction and the in-memory adapter 
 """
 from __future__ import annotations
 
-import os
+from lora_sync.server.pins import require_tested
 
 TESTED_VLLM = "0.32.0"
-OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
 
 
 def check_version() -> str:
-    """Refuses to start on an untested vLLM (private APIs move between releases)."""
     import vllm
-    version = vllm.__version__
-    if version != TESTED_VLLM and os.environ.get(OVERRIDE_ENV) != "1":
-        raise RuntimeError(
-            f"lora-sync is tested with vLLM {TESTED_VLLM}, found {version}. It touches private "
-            f"vLLM APIs that change between releases; set {OVERRIDE_ENV}=1 to try anyway.")
-    return version
+    return require_tested("vLLM", vllm.__version__, TESTED_VLLM)
 
 
 # ---------------------------------------------------------------- API-process side
