@@ -43,6 +43,14 @@ def random_adapter(model_dir: Path, rank: int, dtype=torch.bfloat16, seed: int =
                                  "peft_type": "LORA"})
 
 
+def save_like_peft(adapter: LoRAAdapter, path: Path) -> None:
+    """What PEFT's save_pretrained writes (minus extracting the state dict): the disk
+    baseline a trainer pays today."""
+    from safetensors.torch import save_file
+    save_file(adapter.tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(json.dumps(adapter.config))
+
+
 def sync_once(client: LoRASyncClient, transport: str, adapter: LoRAAdapter, name: str,
               scratch: Path) -> tuple[str, dict]:
     """One sync; returns (served name, phase seconds incl. 'total')."""
@@ -50,7 +58,7 @@ def sync_once(client: LoRASyncClient, transport: str, adapter: LoRAAdapter, name
     if transport.startswith("disk"):
         root = Path("/dev/shm") if transport == "disk_shm" else scratch
         path = Path(tempfile.mkdtemp(dir=root, prefix="lora-bench-"))
-        adapter.save(path)
+        save_like_peft(adapter, path)
         t1 = time.perf_counter()
         served = f"{name}-{transport}-{int(t1 * 1e6)}"
         client.load_from_disk(str(path), served)

@@ -160,3 +160,14 @@ def test_vllm_launcher_adds_what_lora_sync_needs(monkeypatch):
     assert "--enable-lora" in argv and argv[-1] == WORKER_EXTENSION
     import os
     assert os.environ["VLLM_PLUGINS"] == "other,lora_sync"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_non_finite_weights_are_refused(dtype):
+    from worker_extensions.receiver import check_finite
+    check_finite({"w": torch.randn(64).to(dtype)})
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(64).to(dtype)
+        t[5] = bad
+        with pytest.raises(BadAdapter, match="NaN or Inf"):
+            check_finite({"w": t})

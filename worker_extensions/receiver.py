@@ -4,6 +4,7 @@ Each engine's worker extension owns one `WorkerState` and plugs its own LoRA-mod
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,10 +85,21 @@ class WorkerState:
         return pg is not None
 
 
+# A float is NaN or Inf exactly when all its exponent bits are set: checking the bits on an
+# integer view is several times cheaper than torch.isfinite on CPU.
+_EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.float16: (torch.int16, 0x7C00),
+             torch.bfloat16: (torch.int16, 0x7F80)}
+CHECK_FINITE = os.environ.get("LORA_SYNC_CHECK_FINITE", "1") != "0"
+
+
 def check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    """NaN/Inf weights would silently poison every request on the version: refuse them."""
+    """NaN/Inf weights would silently poison every request on the version: refuse them
+    (LORA_SYNC_CHECK_FINITE=0 skips the check, about 0.5 ms per MB on a slow CPU)."""
+    if not CHECK_FINITE:
+        return
     for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
+        as_int, mask = _EXPONENT[t.dtype]
+        if t.numel() and int((t.view(as_int) & mask).max()) == mask:
             raise BadAdapter(f"tensor {name!r} contains NaN or Inf values", code="non_finite")
 
 
