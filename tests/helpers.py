@@ -82,6 +82,7 @@ def bad_bodies(adapter, max_rank: int):
         ("upstream SGLang pickle payload", _upstream_json(pickle.dumps(dict(t))), "application/json"),
         ("ForkingPickler payload", _upstream_json(_forking_pickle(t)), "application/json"),
         ("ForkingPickler raw body", _forking_pickle(t), None),
+        ("duplicate tensor names", _duplicate_key_body(adapter), None),
         ("bad name", body_of(adapter, name="a/b"), None),
         ("name with version suffix", body_of(adapter, name="pol-v2"), None),
     ]
@@ -108,3 +109,15 @@ def _forking_pickle(tensors) -> bytes:
     buf = io.BytesIO()
     ForkingPickler(buf).dump(dict(tensors))
     return buf.getvalue()
+
+
+def _duplicate_key_body(adapter) -> bytes:
+    """A header that names the first tensor twice (JSON keeps the last; the data no longer
+    tiles)."""
+    body = body_of(adapter)
+    n = int.from_bytes(body[:8], "little")
+    header = json.loads(body[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    raw = json.dumps(header)[:-1] + f', "{first}": ' + json.dumps(header[first]) + "}"
+    raw = raw.encode() + b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + body[8 + n:]

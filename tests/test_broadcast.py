@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -73,6 +74,12 @@ def test_bad_metadata_refused_before_any_collective(client, make_adapter, model_
     client.destroy_group()
 
 
+def group_names(client) -> set:
+    """Groups the server's workers still hold (waits while a receive RPC runs)."""
+    info = http.call("GET", client.servers[0].route("lora_sync_info"), headers=AUTH)[0]
+    return set(info["worker_status"][0].get("groups", []))
+
+
 DYING_TRAINER = r"""
 import sys, time
 from lora_sync import LoRASyncClient, LoRAAdapter, collective
@@ -89,7 +96,10 @@ c.broadcast(LoRAAdapter.from_dir(adapter_dir), "dying")
 """
 
 
-def test_trainer_killed_mid_broadcast(client, server, make_adapter, workdir):
+@pytest.mark.parametrize("fault", ["killed", "silent"])
+def test_trainer_dies_or_stalls_mid_broadcast(client, server, make_adapter, workdir, fault):
+    """'killed': the trainer process dies after the first bucket. 'silent': it stays alive
+    but sends nothing more, so the workers' group times out (10 s)."""
     client.push_tensors(make_adapter(seed=91), "survivor")
     before = greedy(client, "survivor")
     make_adapter(seed=92).save(workdir / "dying")
@@ -100,6 +110,11 @@ def test_trainer_killed_mid_broadcast(client, server, make_adapter, workdir):
         assert trainer.stdout.readline().strip() == "SENT-FIRST-BUCKET"
         # Mid-transfer, the engine keeps generating: the receive runs beside the engine loop.
         assert greedy(client, "survivor") == before
+        if fault == "silent":
+            deadline = time.time() + 60  # the group times out after 10 s
+            while "default" in group_names(client) and time.time() < deadline:
+                time.sleep(0.5)
+            assert trainer.poll() is None, "the stalled trainer should still be alive"
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()

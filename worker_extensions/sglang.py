@@ -29,7 +29,7 @@ class SchedulerExtension:
         rank, world = engine_api.scheduler_rank(self.scheduler)
         return {"ok": True, "rank": rank, "world_size": world,
                 "cached_ids": engine_api.loaded_ids(self.scheduler),
-                "held_ids": sorted(self.state.adapters)}
+                "held_ids": sorted(self.state.adapters), "groups": sorted(self.state.groups)}
 
     def op_stage(self, adapter_id: int, path: str, config: dict) -> dict:
         return reply(lambda: self._keep(adapter_id, self.state.stage_from_shm(path, config)))

@@ -41,7 +41,8 @@ class LoRASyncWorkerExtension:
         rank, world = engine_api.worker_rank(self)
         cached = engine_api.worker_lora_manager(self).list_adapters()
         return {"ok": True, "rank": rank, "world_size": world, "cached_ids": sorted(cached),
-                "held_ids": sorted(self._lora_sync_state().adapters)}
+                "held_ids": sorted(self._lora_sync_state().adapters),
+                "groups": sorted(self._lora_sync_state().groups)}
 
     def lora_sync_stage(self, path: str, lora_int_id: int, config: dict) -> dict:
         return reply(lambda: self._lora_sync_keep(
