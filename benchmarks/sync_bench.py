@@ -238,11 +238,16 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     rows = result["summary"]
+    colors = dict(zip(TRANSPORTS + ("http_post", "gloo_broadcast", "memcpy"),
+                      ("tab:purple", "tab:brown", "tab:blue", "tab:red", "tab:blue",
+                       "tab:red", "tab:gray")))
+    styles = {"vllm": ("-", "o"), "sglang": ("-.", "s"), "raw": (":", "x")}
     for engine, transport in sorted({(r["engine"], r["transport"]) for r in rows}):
         pts = sorted((r["mb"], r["median_s"] * 1e3) for r in rows
                      if (r["engine"], r["transport"]) == (engine, transport))
-        style = "--" if engine == "raw" else "-"
-        ax.plot(*zip(*pts), style, marker="o", label=f"{engine}: {transport}")
+        line, marker = styles.get(engine, ("-", "o"))
+        ax.plot(*zip(*pts), line, marker=marker, color=colors.get(transport),
+                label=f"{engine}: {transport}")
     ax.set(xlabel="adapter size (MB)", ylabel="sync latency (ms, median)",
            title="LoRA sync latency vs adapter size", xscale="log", yscale="log")
     ax.legend(fontsize=8)

@@ -115,6 +115,15 @@ def header_length(prefix: bytes | memoryview) -> int:
     return 8 + n
 
 
+def _no_duplicates(pairs):
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise BadAdapter(f"safetensors header names {k!r} twice", code="bad_safetensors")
+        seen[k] = v
+    return seen
+
+
 def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header:
     """Parses and checks a safetensors header. `buf` must hold at least the header;
     `body_len` (default len(buf)) is the full body size the data offsets must match."""
@@ -123,8 +132,10 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
         raise BadAdapter(f"body is not a safetensors file: header claims {hlen - 8} bytes "
                          f"but only {len(buf) - 8} were sent", code="bad_safetensors")
     try:
-        raw = json.loads(bytes(buf[8:hlen]).decode("utf-8"))
+        raw = json.loads(bytes(buf[8:hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
         assert isinstance(raw, dict)
+    except BadAdapter:
+        raise
     except Exception as e:
         raise BadAdapter("body is not a safetensors file: header is not a JSON object",
                          code="bad_safetensors") from e

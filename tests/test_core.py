@@ -171,3 +171,14 @@ def test_non_finite_weights_are_refused(dtype):
         t[5] = bad
         with pytest.raises(BadAdapter, match="NaN or Inf"):
             check_finite({"w": t})
+
+
+def test_duplicate_tensor_names_are_refused():
+    body = wire.encode_bytes({"a": torch.ones(2)}, {})
+    n = int.from_bytes(body[:8], "little")
+    header = body[8:8 + n].decode().rstrip()
+    entry = header[header.index('"a":'):-1]
+    raw = (header[:-1] + "," + entry + "}").encode()
+    raw += b" " * (-len(raw) % 8)
+    with pytest.raises(BadAdapter, match="twice"):
+        wire.parse_header(memoryview(len(raw).to_bytes(8, "little") + raw + body[8 + n:]))
