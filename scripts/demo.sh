@@ -3,5 +3,5 @@
 # against a real vLLM CPU server, syncing the LoRA every step. Extra args go to the loop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+LORA_SYNC_NO_SGLANG="${LORA_SYNC_NO_SGLANG:-1}" bash scripts/install.sh  # the demo runs on vLLM
 exec .venv/bin/python -m examples.rl_loop "$@"
