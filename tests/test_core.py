@@ -165,12 +165,13 @@ def test_vllm_launcher_adds_what_lora_sync_needs(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_non_finite_weights_are_refused(dtype):
     from worker_extensions.receiver import check_finite
-    check_finite({"w": torch.randn(64).to(dtype)})
+    check_finite({"w": torch.randn(64).to(dtype)}, enabled=True)
     for bad in (float("nan"), float("inf"), -float("inf")):
         t = torch.randn(64).to(dtype)
         t[5] = bad
         with pytest.raises(BadAdapter, match="NaN or Inf"):
-            check_finite({"w": t})
+            check_finite({"w": t}, enabled=True)
+        check_finite({"w": t}, enabled=False)  # the default: accepted, documented
 
 
 def test_duplicate_tensor_names_are_refused():

@@ -23,7 +23,7 @@ class StoredAdapter:
     tensors: dict[str, torch.Tensor]
     config: dict
     nbytes: int
-    prebuilt: object = None  # the engine's model object built at intake, used once
+    built: object = None  # the engine's LoRA model object, built once at intake
 
 
 @dataclass
@@ -89,24 +89,19 @@ class WorkerState:
 # integer view is several times cheaper than torch.isfinite on CPU.
 _EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.float16: (torch.int16, 0x7C00),
              torch.bfloat16: (torch.int16, 0x7F80)}
-CHECK_FINITE = os.environ.get("LORA_SYNC_CHECK_FINITE", "1") != "0"
+# Off by default: a full pass over the weights (about 0.5 ms per MB on this CPU) would be the
+# largest part of a sync. Operators who want NaN/Inf refused set LORA_SYNC_CHECK_FINITE=1.
+CHECK_FINITE = os.environ.get("LORA_SYNC_CHECK_FINITE", "0") == "1"
 
 
-def check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    """NaN/Inf weights would silently poison every request on the version: refuse them
-    (LORA_SYNC_CHECK_FINITE=0 skips the check, about 0.5 ms per MB on a slow CPU)."""
-    if not CHECK_FINITE:
+def check_finite(tensors: dict[str, torch.Tensor], enabled: bool | None = None) -> None:
+    """NaN/Inf weights would poison every request on the version: refuse them."""
+    if not (CHECK_FINITE if enabled is None else enabled):
         return
     for name, t in tensors.items():
         as_int, mask = _EXPONENT[t.dtype]
         if t.numel() and int((t.view(as_int) & mask).max()) == mask:
             raise BadAdapter(f"tensor {name!r} contains NaN or Inf values", code="non_finite")
-
-
-def clone_mutable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Engines scale lora_B in place while merging; give them copies so the stored adapter
-    can be rebuilt identically after an eviction."""
-    return {k: (v.clone() if ".lora_B" in k else v) for k, v in tensors.items()}
 
 
 def reply(fn, *args, **kwargs) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from vllm_ext import engine_api
 
-from .receiver import WorkerState, clone_mutable, reply
+from .receiver import WorkerState, reply
 
 
 class LoRASyncWorkerExtension:
@@ -16,24 +16,19 @@ class LoRASyncWorkerExtension:
         if state is None:
             state = self.__dict__["_lora_sync"] = WorkerState()
             manager = engine_api.worker_lora_manager(self)
-            engine_api.install_memory_loader(manager, self._lora_sync_build)
+            engine_api.install_memory_loader(manager, self._lora_sync_lookup)
         return state
 
-    def _lora_sync_build(self, lora_int_id: int):
+    def _lora_sync_lookup(self, lora_int_id: int):
         stored = self._lora_sync_state().adapters.get(lora_int_id)
-        if stored is None:
-            return None
-        if stored.prebuilt is not None:  # first registration: reuse the intake build
-            lora, stored.prebuilt = stored.prebuilt, None
-            return lora
-        return engine_api.build_lora_model(engine_api.worker_lora_manager(self), lora_int_id,
-                                           clone_mutable(stored.tensors), stored.config)
+        return None if stored is None else stored.built
 
     def _lora_sync_keep(self, lora_int_id: int, stored) -> dict:
-        # Build now so a bad adapter fails here, before it is ever published.
-        stored.prebuilt = engine_api.build_lora_model(
-            engine_api.worker_lora_manager(self), lora_int_id, clone_mutable(stored.tensors),
-            stored.config)
+        # Build now so a bad adapter fails here, before it is ever published. The built
+        # LoRAModel is what vLLM gets on every (re)load: merging it again after an LRU
+        # eviction is a no-op (already packed and scaled), so no copy is kept or rebuilt.
+        stored.built = engine_api.build_lora_model(
+            engine_api.worker_lora_manager(self), lora_int_id, stored.tensors, stored.config)
         self._lora_sync_state().adapters[lora_int_id] = stored
         return {"bytes": stored.nbytes}
 
