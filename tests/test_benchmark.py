@@ -5,7 +5,10 @@ import json
 from benchmarks.sync_bench import TRANSPORTS, print_table, run
 
 
-def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, workdir):
+def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, workdir,
+                                                    monkeypatch):
+    import benchmarks.sync_bench
+    monkeypatch.setattr(benchmarks.sync_bench, "IDLE_S", 0.0)
     out = workdir / "bench"
     result = run(model_dir, [8], 2, [("vllm", vllm.url), ("sglang", sglang.url)], out,
                  "float32", progress=False, api_key=vllm.api_key)
