@@ -41,6 +41,7 @@ class LoopConfig:
     seed: int = 0
     name: str = "policy"
     server_url: str | None = None   # default: start a local vLLM CPU server
+    engine: str = "vllm"            # vllm | sglang (sglang needs --server-url)
     model_dir: str | None = None    # default: the embedded tiny model
     api_key: str | None = None      # the server's LORA_SYNC_API_KEY, if it has one
     out_dir: str = "runs/rl_loop"
@@ -116,7 +117,7 @@ def run(cfg: LoopConfig, server=None) -> dict:
     targets = target_tokens(tokenizer)
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     log = {"config": asdict(cfg), "steps": []}
-    client = LoRASyncClient(url, api_key=cfg.api_key)
+    client = LoRASyncClient(url, engine=cfg.engine, api_key=cfg.api_key)
     try:
         syncer = Syncer(client, cfg, scratch)
         served, sync_s = syncer.push(policy)  # version 1: the initial policy
