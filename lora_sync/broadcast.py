@@ -93,8 +93,7 @@ def broadcast(client, group: TrainerGroup, adapter: LoRAAdapter, name: str,
     try:
         for s, p in zip(client.servers, posts):
             reply, _ = p.result()
-            results.append(PushResult(s.url, reply["name"], reply["version"], reply["bytes"],
-                                      time.perf_counter() - t0, reply))
+            results.append(PushResult.from_reply(s.url, reply, time.perf_counter() - t0))
     except LoRASyncError:
         # A server refused after the broadcast started: its peers' receive may now be
         # out of step, so the group cannot be trusted any more.

@@ -31,6 +31,10 @@ class PushResult:
     seconds: float                # wall time seen by the client
     reply: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_reply(cls, server_url: str, reply: dict, seconds: float) -> "PushResult":
+        return cls(server_url, reply["name"], reply["version"], reply["bytes"], seconds, reply)
+
 
 def as_adapter(adapter) -> LoRAAdapter:
     """Accepts a LoRAAdapter, a PEFT model, or a PEFT directory path."""
@@ -65,8 +69,7 @@ class LoRASyncClient:
         body, _ = http.call("POST", server.route("load_lora_adapter_from_tensors"),
                             chunks=chunks, timeout=self.timeout,
                             headers={**self.headers, "Content-Type": "application/octet-stream"})
-        return PushResult(server.url, body["name"], body["version"], body["bytes"],
-                          time.perf_counter() - t0, body)
+        return PushResult.from_reply(server.url, body, time.perf_counter() - t0)
 
     # -- collective broadcast -----------------------------------------------------------
     def init_group(self, master_address: str = "127.0.0.1", master_port: int | None = None,

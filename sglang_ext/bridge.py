@@ -27,8 +27,9 @@ class SGLangBridge(EngineBridge):
     def new_adapter_id(self) -> int:
         return next(self._ids)
 
-    async def stage_from_shm(self, adapter_id, path, config):
-        return await self._call("stage", adapter_id=adapter_id, path=path, config=config)
+    async def stage_from_shm(self, adapter_id, path, config, checksum):
+        return await self._call("stage", adapter_id=adapter_id, path=path, config=config,
+                                checksum=checksum)
 
     async def receive(self, adapter_id, group_name, specs, config, bucket_bytes, checksum,
                       timeout_s):

@@ -28,8 +28,8 @@ class VLLMBridge(EngineBridge):
     def new_adapter_id(self) -> int:
         return engine_api.next_lora_id(self.state)
 
-    async def stage_from_shm(self, adapter_id, path, config):
-        return await self._rpc("lora_sync_stage", path, adapter_id, config)
+    async def stage_from_shm(self, adapter_id, path, config, checksum):
+        return await self._rpc("lora_sync_stage", path, adapter_id, config, checksum)
 
     async def receive(self, adapter_id, group_name, specs, config, bucket_bytes, checksum,
                       timeout_s):

@@ -45,16 +45,10 @@ def unpublish(app_state, names: list[str]) -> None:
         table.pop(n, None)
 
 
-def published(app_state, name: str):
-    return serving_models(app_state).lora_requests.get(name)
-
 
 async def add_lora(engine_client, request) -> None:
     await engine_client.add_lora(request)
 
-
-async def remove_lora(engine_client, lora_int_id: int) -> None:
-    await engine_client.remove_lora(lora_int_id)
 
 
 async def worker_rpc(engine_client, method: str, *args, timeout: float | None = None) -> list:

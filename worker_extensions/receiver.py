@@ -33,10 +33,10 @@ class WorkerState:
     group_locks: dict[str, threading.Lock] = field(default_factory=dict)
 
     # -- intake ---------------------------------------------------------------------
-    def stage_from_shm(self, path: str, config: dict) -> StoredAdapter:
+    def stage_from_shm(self, path: str, config: dict, checksum: str | None = None) -> StoredAdapter:
         """Views the staged body in place: the tensors share the (copy-on-write) mapping."""
         header, tensors = open_staged(path)
-        check_finite(tensors)
+        check_intake(tensors, checksum)
         return StoredAdapter(tensors, config, header.total_bytes - header.data_start)
 
     def receive(self, group_name: str, specs: list[dict], config: dict, bucket_bytes: int,
@@ -54,9 +54,7 @@ class WorkerState:
                                  "was dropped, create a new one") from e
         if device != "cpu":
             tensors = {k: v.cpu() for k, v in tensors.items()}
-        check_finite(tensors)
-        if checksum and tensors_checksum(tensors) != checksum:
-            raise BadAdapter("received tensors do not match the checksum", code="checksum_mismatch")
+        check_intake(tensors, checksum)
         return StoredAdapter(tensors, config, sum(s.nbytes for b in plan for s in b.specs))
 
     def receive_in_background(self, group_name: str, notice_path: str, keep, *args) -> None:
@@ -92,6 +90,16 @@ _EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.float16: (torch.int
 # Off by default: a full pass over the weights (about 0.5 ms per MB on this CPU) would be the
 # largest part of a sync. Operators who want NaN/Inf refused set LORA_SYNC_CHECK_FINITE=1.
 CHECK_FINITE = os.environ.get("LORA_SYNC_CHECK_FINITE", "0") == "1"
+
+
+def check_intake(tensors: dict[str, torch.Tensor], checksum: str | None) -> None:
+    """What every transport checks once the tensors are in the worker."""
+    check_finite(tensors)
+    if checksum:
+        actual = tensors_checksum(tensors)
+        if actual != checksum:
+            raise BadAdapter(f"checksum mismatch: the tensors hash to {actual}, the request "
+                             f"says {checksum}", code="checksum_mismatch")
 
 
 def check_finite(tensors: dict[str, torch.Tensor], enabled: bool | None = None) -> None:

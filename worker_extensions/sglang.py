@@ -31,8 +31,9 @@ class SchedulerExtension:
                 "cached_ids": engine_api.loaded_ids(self.scheduler),
                 "held_ids": sorted(self.state.adapters), "groups": sorted(self.state.groups)}
 
-    def op_stage(self, adapter_id: int, path: str, config: dict) -> dict:
-        return reply(lambda: self._keep(adapter_id, self.state.stage_from_shm(path, config)))
+    def op_stage(self, adapter_id: int, path: str, config: dict, checksum=None) -> dict:
+        return reply(lambda: self._keep(adapter_id,
+                                        self.state.stage_from_shm(path, config, checksum)))
 
     def op_receive(self, adapter_id: int, group_name: str, specs: list, config: dict,
                    bucket_bytes: int, checksum, notice_paths: list) -> dict:

@@ -39,9 +39,10 @@ class LoRASyncWorkerExtension:
                 "held_ids": sorted(self._lora_sync_state().adapters),
                 "groups": sorted(self._lora_sync_state().groups)}
 
-    def lora_sync_stage(self, path: str, lora_int_id: int, config: dict) -> dict:
+    def lora_sync_stage(self, path: str, lora_int_id: int, config: dict,
+                        checksum: str | None = None) -> dict:
         return reply(lambda: self._lora_sync_keep(
-            lora_int_id, self._lora_sync_state().stage_from_shm(path, config)))
+            lora_int_id, self._lora_sync_state().stage_from_shm(path, config, checksum)))
 
     def lora_sync_receive(self, group_name: str, lora_int_id: int, specs: list, config: dict,
                           bucket_bytes: int, checksum: str | None, notice_paths: list) -> dict:

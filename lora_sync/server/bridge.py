@@ -19,9 +19,10 @@ class EngineBridge(ABC):
         """A fresh engine-wide integer id for a new version."""
 
     @abstractmethod
-    async def stage_from_shm(self, adapter_id: int, path: str, config: dict) -> list[dict]:
-        """Every worker takes the adapter from a staged shared-memory body; returns one
-        reply per worker (with its own time in 'ms')."""
+    async def stage_from_shm(self, adapter_id: int, path: str, config: dict,
+                             checksum: str | None) -> list[dict]:
+        """Every worker takes the adapter from a staged shared-memory body (verifying
+        `checksum` if given); returns one reply per worker (its own time in 'ms')."""
 
     @abstractmethod
     async def receive(self, adapter_id: int, group_name: str, specs: list[dict], config: dict,

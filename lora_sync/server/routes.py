@@ -12,6 +12,10 @@ from ..errors import BadAdapter, LoRASyncError, Unauthorized
 from .service import AdapterService
 
 logger = logging.getLogger("lora_sync")
+# POST routes whose JSON body goes straight to the service method of the same job.
+JSON_ROUTES = {"/init_lora_update_group": "init_group",
+               "/load_lora_adapter_from_distributed": "load_from_distributed",
+               "/destroy_lora_update_group": "destroy_group"}
 PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
                "application/octet-stream (see docs/protocol.md); pickled tensors are refused")
 
@@ -66,17 +70,15 @@ def build_router(prefix: str = "") -> APIRouter:
                                                 int(length) if length else None)
         return await handle(request, act)
 
-    @router.post("/init_lora_update_group")
-    async def init_group(request: Request):
-        return await handle(request, lambda s: _then(_json(request), s.init_group))
+    def add_json_route(path: str, method: str):
+        async def route(request: Request):
+            async def act(service: AdapterService):
+                return await getattr(service, method)(await _json(request))
+            return await handle(request, act)
+        router.post(path)(route)
 
-    @router.post("/load_lora_adapter_from_distributed")
-    async def load_from_distributed(request: Request):
-        return await handle(request, lambda s: _then(_json(request), s.load_from_distributed))
-
-    @router.post("/destroy_lora_update_group")
-    async def destroy_group(request: Request):
-        return await handle(request, lambda s: _then(_json(request), s.destroy_group))
+    for path, method in JSON_ROUTES.items():
+        add_json_route(path, method)
 
     @router.get("/lora_sync_info")
     async def info(request: Request):
@@ -89,7 +91,3 @@ def build_router(prefix: str = "") -> APIRouter:
         return await handle(request, act)
 
     return router
-
-
-async def _then(body_coro, fn):
-    return await fn(await body_coro)

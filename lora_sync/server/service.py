@@ -49,8 +49,8 @@ class AdapterRecord:
     retired: bool = False      # out of the window: no new requests, dropped when idle
 
 
-def _metadata_config(meta: dict) -> dict:
-    raw = meta.get(META_CONFIG)
+def _parse_config(raw: str | None) -> dict:
+    """PEFT's adapter_config.json text, as sent in the metadata or the broadcast request."""
     if raw is None:
         raise BadAdapter(f"safetensors __metadata__ has no {META_CONFIG!r} (the JSON text of "
                          "PEFT's adapter_config.json)", code="missing_metadata")
@@ -86,15 +86,15 @@ class AdapterService:
             meta = staged.header.metadata
             name = naming.check_name(meta.get(META_NAME))
             version = naming.parse_version(meta.get(META_VERSION))
-            cfg = check_adapter(staged.header.specs, _metadata_config(meta),
+            cfg = check_adapter(staged.header.specs, _parse_config(meta.get(META_CONFIG)),
                                 await self.model_spec())
             received_ms = (time.perf_counter() - t0) * 1e3
 
             async def stage(adapter_id):
-                return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg)
+                return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg,
+                                                        meta.get(META_CHECKSUM))
             nbytes = staged.nbytes - staged.header.data_start
-            reply = await self._install(name, version, cfg, nbytes, "tensors", stage,
-                                        t0, checksum=meta.get(META_CHECKSUM), staged=staged)
+            reply = await self._install(name, version, cfg, nbytes, "tensors", stage, t0)
             reply["timings_ms"]["receive"] = received_ms
             return reply
         finally:
@@ -108,7 +108,7 @@ class AdapterService:
         version = naming.parse_version(body.get("version"))
         cfg = body.get("adapter_config")
         if isinstance(cfg, str):
-            cfg = _metadata_config({META_CONFIG: cfg})
+            cfg = _parse_config(cfg)
         raw_specs = body.get("tensors")
         if not isinstance(raw_specs, list):
             raise BadAdapter("'tensors' must be a list of {name, dtype, shape}",
@@ -127,11 +127,7 @@ class AdapterService:
                                              self.group_timeouts.get(group, 120.0) + 30)
         return await self._install(name, version, cfg, nbytes, "broadcast", receive, t0)
 
-    async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0,
-                       checksum=None, staged=None) -> dict:
-        if checksum and staged is not None:
-            from .integrity import verify_staged
-            verify_staged(staged.path, checksum)
+    async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0) -> dict:
         t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
             version = self.book.reserve(name, version_req)
