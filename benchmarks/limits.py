@@ -1,5 +1,8 @@
 """Reference limits for moving N bytes on this machine: memcpy, a raw loopback HTTP POST,
-and a raw gloo broadcast of one flat buffer (peers run as subprocesses, like a server would)."""
+and a raw gloo broadcast of one flat buffer (peers run as subprocesses, like a server would).
+
+Every buffer is allocated once and reused, so the limits never pay for fresh pages (costly
+on this VM, see docs/protocol.md): they are the best case for the bytes alone."""
 from __future__ import annotations
 
 import subprocess
@@ -14,9 +17,14 @@ from lora_sync.processes import free_port
 _HTTP_SINK = r"""
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+BUF = bytearray()
 class Sink(BaseHTTPRequestHandler):
     def do_POST(self):
-        n = int(self.headers["Content-Length"]); buf = bytearray(n); view = memoryview(buf); got = 0
+        global BUF
+        n = int(self.headers["Content-Length"])
+        if len(BUF) < n:
+            BUF = bytearray(n)
+        view = memoryview(BUF)[:n]; got = 0
         while got < n:
             got += self.rfile.readinto(view[got:])
         self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
@@ -30,16 +38,20 @@ import sys, torch
 from lora_sync import collective
 port, sizes = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")]
 g = collective.create_group("127.0.0.1", port, 1, 2, "gloo", 120)
+buf = torch.zeros(max(sizes), dtype=torch.uint8)
 for n in sizes:
-    g.broadcast(torch.empty(n, dtype=torch.uint8), 0)
+    g.broadcast(buf[:n], 0)
 """
 
 
-def memcpy_s(nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    t0 = time.perf_counter()
-    src.clone()
-    return time.perf_counter() - t0
+def memcpy_s(nbytes: int, reps: int) -> list[float]:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        out.append(time.perf_counter() - t0)
+    return out
 
 
 class HttpSink:
@@ -55,7 +67,9 @@ class HttpSink:
         raise RuntimeError("HTTP sink did not start")
 
     def post_s(self, nbytes: int) -> float:
-        body = torch.empty(nbytes, dtype=torch.uint8).numpy().data
+        if getattr(self, "body", None) is None or len(self.body) != nbytes:
+            self.body = torch.ones(nbytes, dtype=torch.uint8).numpy().data
+        body = self.body
         t0 = time.perf_counter()
         http.call("POST", f"http://127.0.0.1:{self.port}/", chunks=[body])
         return time.perf_counter() - t0
@@ -72,11 +86,10 @@ def gloo_broadcast_s(sizes: list[int]) -> list[float]:
                              ",".join(map(str, sizes))])
     try:
         g = collective.create_group("127.0.0.1", port, 0, 2, "gloo", 120)
-        out = []
+        out, buf = [], torch.ones(max(sizes), dtype=torch.uint8)
         for n in sizes:
-            buf = torch.empty(n, dtype=torch.uint8)
             t0 = time.perf_counter()
-            g.broadcast(buf, 0)
+            g.broadcast(buf[:n], 0)
             out.append(time.perf_counter() - t0)
         return out
     finally:

@@ -96,23 +96,29 @@ def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str):
 
 
 def bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar) -> list[dict]:
-    """Every transport, `reps` times per rank, against one server."""
+    """Every transport, `reps` times per rank, against one server, after `warmup` rounds.
+
+    The first pushes of a name fill the server's retention window with fresh memory; from
+    then on each push reuses what a retired version freed. Warm-up rounds (one per version
+    kept) are recorded as "cold" samples and reported apart from the steady state."""
     engine, samples = client.servers[0].engine, []
+    warmup = int(client.info()[0]["keep_versions"])
     client.init_group()
     for rank in ranks:
         adapter = random_adapter(model_dir, rank, getattr(torch, dtype))
-        for rep in range(reps + 1):  # rep 0 warms up and is not reported
+        for rep in range(-warmup + 1, reps + 1):
             for transport in TRANSPORTS:
                 served, phases = sync_once(client, transport, adapter, f"r{rank}", scratch)
                 first = first_completion_s(client, served, transport)
+                if transport.startswith("disk"):  # as a trainer would: drop the old version
+                    client.unload_from_disk(served)
                 # After a request, vLLM's worker and engine loops busy-poll for about a second
                 # and, on two cores, slow whatever runs next. Start each sync from an idle
                 # server, as the raw limits are measured.
                 time.sleep(IDLE_S)
-                if rep:
-                    samples.append({"engine": engine, "transport": transport, "rank": rank,
-                                    "bytes": adapter.nbytes, "rep": rep, "phases": phases,
-                                    "first_completion_s": first})
+                samples.append({"engine": engine, "transport": transport, "rank": rank,
+                                "bytes": adapter.nbytes, "rep": rep, "cold": rep <= 0,
+                                "phases": phases, "first_completion_s": first})
                 if bar:
                     bar.update()
     client.destroy_group()
@@ -125,16 +131,15 @@ def bench_limits(model_dir, ranks, reps, dtype) -> list[dict]:
     for rank in ranks:
         nbytes = random_adapter(model_dir, rank, getattr(torch, dtype)).nbytes
         row = {"engine": "raw", "rank": rank, "bytes": nbytes}
-        for t in limits.gloo_broadcast_s([nbytes] * reps):
+        for t in limits.gloo_broadcast_s([nbytes] * (reps + 1))[1:]:
             samples.append({**row, "transport": "gloo_broadcast", "phases": {"total": t}})
         with limits.HttpSink() as sink:
             sink.post_s(nbytes)
             for _ in range(reps):
                 samples.append({**row, "transport": "http_post",
                                 "phases": {"total": sink.post_s(nbytes)}})
-        for _ in range(reps):
-            samples.append({**row, "transport": "memcpy",
-                            "phases": {"total": limits.memcpy_s(nbytes)}})
+        for t in limits.memcpy_s(nbytes, reps):
+            samples.append({**row, "transport": "memcpy", "phases": {"total": t}})
     return samples
 
 
@@ -147,7 +152,7 @@ def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, 
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(servers) * len(ranks) * (reps + 1) * len(TRANSPORTS),
+        bar = tqdm(total=len(servers) * len(ranks) * (reps + 2) * len(TRANSPORTS),
                    desc="sync benchmark", unit="sync")
     samples = []
     try:
@@ -194,7 +199,8 @@ def summarize(samples: list[dict]) -> list[dict]:
                   key=lambda k: (k[2], k[0], k[1]))
     med = {}
     for key in keys:
-        group = [s for s in samples if (s["engine"], s["transport"], s["rank"]) == key]
+        every = [s for s in samples if (s["engine"], s["transport"], s["rank"]) == key]
+        group = [s for s in every if not s.get("cold")]
         totals = [s["phases"]["total"] for s in group]
         phases = {p: _median([s["phases"][p] for s in group]) for p in group[0]["phases"]}
         med[key] = phases
@@ -203,6 +209,7 @@ def summarize(samples: list[dict]) -> list[dict]:
                      "min_s": min(totals), "max_s": max(totals),
                      "mb_per_s": group[0]["bytes"] / 1e6 / _median(totals),
                      "phases_s": phases,
+                     "cold_s": _median([s["phases"]["total"] for s in every if s.get("cold")]),
                      "first_completion_s": _median([s.get("first_completion_s") for s in group
                                                     if s.get("first_completion_s")])})
     for row in rows:
@@ -222,7 +229,8 @@ def summarize(samples: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> str:
     head = (f"{'engine':7} {'transport':15} {'rank':>4} {'MB':>7} {'median':>8} {'min':>8} "
-            f"{'max':>8} {'MB/s':>7} {'vs disk':>7} {'x limit':>7} {'1st compl':>9}  phases (median ms)")
+            f"{'max':>8} {'MB/s':>7} {'vs disk':>7} {'x limit':>7} {'cold':>8} {'1st compl':>9}"
+            "  phases (median ms)")
     lines = [head, "-" * len(head)]
     for r in rows:
         ph = ", ".join(f"{k} {v*1e3:.1f}" for k, v in r["phases_s"].items() if k != "total")
@@ -230,7 +238,7 @@ def print_table(rows: list[dict]) -> str:
             f"{r['engine']:7} {r['transport']:15} {r['rank']:>4} {r['mb']:7.1f} "
             f"{r['median_s']*1e3:7.1f}ms {r['min_s']*1e3:6.1f}ms {r['max_s']*1e3:6.1f}ms "
             f"{r['mb_per_s']:7.0f} {r.get('speedup_over_disk', float('nan')):6.2f}x "
-            f"{r.get('x_limit', float('nan')):6.2f}x "
+            f"{r.get('x_limit', float('nan')):6.2f}x {r['cold_s']*1e3:6.1f}ms "
             f"{(r['first_completion_s'] or float('nan'))*1e3:7.0f}ms  {ph}")
     text = "\n".join(lines)
     print(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import collective, http
 from .adapter import LoRAAdapter, ModelSpec, check_adapter
@@ -22,11 +22,7 @@ class TrainerGroup:
     bucket_bytes: int
     timeout_s: float
     broken: bool = False
-
-
-def server_info(client, server) -> dict:
-    return http.call("GET", server.route("lora_sync_info"), headers=client.headers,
-                     timeout=client.timeout)[0]
+    send_buffers: dict = field(default_factory=dict)  # dtype -> flat buffer, kept between pushes
 
 
 def init_group(client, master_address: str, master_port: int, backend: str = "gloo",
@@ -34,7 +30,7 @@ def init_group(client, master_address: str, master_port: int, backend: str = "gl
                bucket_bytes: int = collective.DEFAULT_BUCKET_BYTES) -> TrainerGroup:
     """Forms one group with every worker of every server: server i's workers take ranks
     offset_i .. offset_i + workers_i - 1, offsets following the server order."""
-    infos = client._each(lambda s: server_info(client, s))
+    infos = client.info()
     offsets, world = [], 1
     for info in infos:
         offsets.append(world)
@@ -82,7 +78,8 @@ def broadcast(client, group: TrainerGroup, adapter: LoRAAdapter, name: str,
 
     def send():
         try:
-            collective.broadcast_buckets(group.pg, plan, adapter.tensors, device=group.device)
+            collective.send_buckets(group.pg, plan, adapter.tensors, group.send_buffers,
+                                    group.device)
         except BaseException as e:
             errors.append(e)
         finally:

@@ -10,7 +10,9 @@ from .adapter import LoRAAdapter
 
 # The only engine difference the client knows: where the routes live.
 ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
-DISK_ROUTE = {"vllm": "/v1/load_lora_adapter", "sglang": "/load_lora_adapter"}
+# The engines' own routes for adapters on disk (the baseline lora-sync replaces).
+NATIVE_ROUTES = {"vllm": {"load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter"},
+                 "sglang": {"load": "/load_lora_adapter", "unload": "/unload_lora_adapter"}}
 
 
 @dataclass(frozen=True)
@@ -106,15 +108,26 @@ class LoRASyncClient:
     # -- disk (the engines' own route; the baseline) -----------------------------------
     def load_from_disk(self, path: str, served_name: str) -> list[float]:
         """Loads a PEFT directory with the engine's native route; returns seconds per server."""
+        return self._native("load", {"lora_name": served_name, "lora_path": str(path)})
+
+    def unload_from_disk(self, served_name: str) -> list[float]:
+        """Unloads an adapter loaded by `load_from_disk` (native route)."""
+        return self._native("unload", {"lora_name": served_name})
+
+    def _native(self, action: str, body: dict) -> list[float]:
         def one(s: Server):
             t0 = time.perf_counter()
-            http.call("POST", f"{s.url.rstrip('/')}{DISK_ROUTE[s.engine]}", timeout=self.timeout,
-                      json_body={"lora_name": served_name, "lora_path": str(path)},
-                      headers=self.headers)
+            http.call("POST", f"{s.url.rstrip('/')}{NATIVE_ROUTES[s.engine][action]}",
+                      timeout=self.timeout, json_body=body, headers=self.headers)
             return time.perf_counter() - t0
         return self._each(one)
 
     # -- introspection and generation --------------------------------------------------
+    def info(self) -> list[dict]:
+        """Per server: worker count, max LoRA rank, target modules, retention window."""
+        return self._each(lambda s: http.call("GET", s.route("lora_sync_info"),
+                                              headers=self.headers, timeout=self.timeout)[0])
+
     def adapters(self) -> list[dict]:
         return self._each(lambda s: http.call("GET", s.route("lora_adapters"),
                                               headers=self.headers, timeout=self.timeout)[0])

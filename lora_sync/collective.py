@@ -1,7 +1,7 @@
 """The process group between a trainer (rank 0) and inference workers, and bucket packing.
 
 Both sides call `create_group` (same code, the backend is a parameter: gloo on CPU, nccl on
-GPU) and `pack_buckets` / `unpack_bucket` agree on how tensors are laid out in a broadcast."""
+GPU) and `pack_bucket` / `unpack_bucket` agree on how tensors are laid out in a broadcast."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +12,10 @@ import torch.distributed as dist
 
 from .wire import DTYPES, TensorSpec
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+# Small buckets, all in flight at once, let the sender pack bucket k+1 while bucket k is on
+# the wire. On this 2-core CPU box (70 MB, gloo) 8 MiB buckets took 28-38 ms against 57 ms for
+# one flat buffer and 82 ms for pack-then-send (docs/protocol.md).
+DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
 
 
 def create_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
@@ -42,6 +45,10 @@ class Group:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.pg.broadcast(tensor, src).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0):
+        """Queues a broadcast and returns its work handle (ops run in the order queued)."""
+        return self.pg.broadcast(tensor, src)
 
     def shutdown(self) -> None:
         try:
@@ -81,10 +88,27 @@ def plan_buckets(specs: list[TensorSpec], max_bytes: int = DEFAULT_BUCKET_BYTES)
     return buckets
 
 
-def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], device="cpu") -> torch.Tensor:
-    flat = torch.empty(bucket.numel, dtype=DTYPES[bucket.dtype], device=device)
-    torch.cat([tensors[s.name].reshape(-1) for s in bucket.specs], out=flat)
-    return flat
+def send_buffers(buckets: list[Bucket], kept: dict, device="cpu") -> list[torch.Tensor]:
+    """One flat view per bucket into a buffer per dtype that the sender keeps in `kept`
+    between broadcasts: packing into memory that is already mapped is several times faster
+    than into fresh pages."""
+    need: dict[str, int] = {}
+    for b in buckets:
+        need[b.dtype] = need.get(b.dtype, 0) + b.numel
+    for dtype, n in need.items():
+        buf = kept.get(dtype)
+        if buf is None or buf.numel() < n or str(buf.device) != str(device):
+            kept[dtype] = torch.empty(n, dtype=DTYPES[dtype], device=device)
+    views, pos = [], dict.fromkeys(need, 0)
+    for b in buckets:
+        views.append(kept[b.dtype][pos[b.dtype]:pos[b.dtype] + b.numel])
+        pos[b.dtype] += b.numel
+    return views
+
+
+def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor],
+                out: torch.Tensor) -> torch.Tensor:
+    return torch.cat([tensors[s.name].reshape(-1) for s in bucket.specs], out=out)
 
 
 def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -97,13 +121,29 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]
     return out
 
 
-def broadcast_buckets(group: Group, buckets: list[Bucket], tensors: dict | None, device="cpu",
-                      src: int = 0) -> dict[str, torch.Tensor]:
-    """Rank `src` sends `tensors`; every other rank receives them (tensors=None)."""
-    received = {}
+def send_buckets(group: Group, buckets: list[Bucket], tensors: dict, kept: dict,
+                 device="cpu", src: int = 0) -> None:
+    """The sender's side: packs each bucket into its kept buffer and queues it at once, so
+    packing the next bucket overlaps sending this one."""
+    works = []
+    for b, flat in zip(buckets, send_buffers(buckets, kept, device)):
+        pack_bucket(b, tensors, flat)
+        works.append(group.start_broadcast(flat, src))
+    for w in works:
+        w.wait()
+
+
+def receive_buckets(group: Group, buckets: list[Bucket], device="cpu", src: int = 0,
+                    alloc=None) -> dict[str, torch.Tensor]:
+    """A receiver's side: one buffer per bucket (they become the adapter's storage), all
+    queued at once; returns views named like the sender's tensors. `alloc(dtype, numel)`
+    may hand out recycled buffers instead of fresh ones."""
+    works, received = [], {}
     for b in buckets:
-        flat = (pack_bucket(b, tensors, device) if tensors is not None else
+        flat = (alloc(b.dtype, b.numel) if alloc is not None else
                 torch.empty(b.numel, dtype=DTYPES[b.dtype], device=device))
-        group.broadcast(flat, src)
+        works.append(group.start_broadcast(flat, src))
         received.update(unpack_bucket(b, flat))
+    for w in works:
+        w.wait()
     return received

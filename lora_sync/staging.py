@@ -1,14 +1,16 @@
 """Hand-off of a received body from the HTTP process to engine workers through shared memory.
 
 The HTTP process streams the body into a file in a tmpfs (/dev/shm: memory, never disk) while
-counting bytes against the limit; each worker maps that file copy-on-write and views the
-tensors in place. Only the file path crosses the engine's RPC, never the bytes."""
+counting bytes against the limit; each worker maps that file and views the tensors in place.
+Only the file path crosses the engine's RPC, never the bytes."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import mmap
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from . import wire
 from .errors import BadAdapter, PayloadTooLarge
 
 SHM_DIR = os.environ.get("LORA_SYNC_SHM_DIR", "/dev/shm")
+AREA_PREFIX = "lora-sync-staging-"
 
 
 @dataclass
@@ -25,53 +28,105 @@ class StagedBody:
     nbytes: int
     header: wire.Header
 
-    def discard(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
 
 def _too_large(n: int, limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"request body of {n} bytes is above the limit of {limit} bytes "
                            "(LORA_SYNC_MAX_BODY_MB)")
 
 
-async def stage_body(chunks, limit: int, content_length: int | None = None) -> StagedBody:
-    """Writes an async stream of byte chunks to shared memory and checks its header.
-    Refuses a body above `limit` before reading it when Content-Length says so."""
-    if content_length is not None and content_length > limit:
-        raise _too_large(content_length, limit)
-    path = os.path.join(SHM_DIR, f"lora-sync-{uuid.uuid4().hex}.safetensors")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    n, head = 0, bytearray()
+class StagingArea:
+    """The HTTP process's files for received bodies, in a directory of its own.
+
+    A body's file lives as long as the adapter built from it (the workers map it) and is then
+    reused for a later body. Rewriting pages that are already allocated is several times
+    cheaper than filling fresh ones: on this VM, whose freed memory goes back to the host,
+    writing 70 MB into a new file took 180-260 ms and into a reused one about 30 ms."""
+
+    def __init__(self, spare: int = 2, root: str = SHM_DIR):
+        _remove_orphans(root)
+        self.dir = os.path.join(root, f"{AREA_PREFIX}{os.getpid()}")
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.spare, self.free = spare, []
+        atexit.register(self.close)
+
+    async def stage(self, chunks, limit: int, content_length: int | None = None) -> StagedBody:
+        """Writes an async stream of byte chunks into a file and checks its header. Refuses
+        a body above `limit` before reading it when Content-Length says so."""
+        if content_length is not None and content_length > limit:
+            raise _too_large(content_length, limit)
+        path = self.free.pop() if self.free else os.path.join(self.dir, uuid.uuid4().hex)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        n, head = 0, bytearray()
+        try:
+            async for chunk in chunks:
+                if not chunk:
+                    continue
+                n += len(chunk)
+                if n > limit:
+                    raise _too_large(n, limit)
+                if len(head) < 8 or len(head) < wire.header_length(head):
+                    head += chunk  # keep the first bytes in memory to parse the header
+                os.write(fd, chunk)
+            os.ftruncate(fd, n)  # a reused file may have been longer
+            if n == 0:
+                raise BadAdapter("request body is empty; send one safetensors file",
+                                 code="empty_body")
+            header = wire.parse_header(memoryview(head), body_len=n)
+        except BaseException:
+            self.release(path)
+            raise
+        finally:
+            os.close(fd)
+        return StagedBody(path, n, header)
+
+    def release(self, path: str) -> None:
+        """Call once no worker uses the file (its adapter was dropped or never built)."""
+        if len(self.free) < self.spare and os.path.exists(path):
+            self.free.append(path)
+        else:
+            discard(path)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def discard(path: str) -> None:
+    """Unlinks a file; workers that map it keep their pages until they drop the adapter."""
     try:
-        async for chunk in chunks:
-            if not chunk:
-                continue
-            n += len(chunk)
-            if n > limit:
-                raise _too_large(n, limit)
-            if len(head) < 8 or len(head) < wire.header_length(head):
-                head += chunk  # keep the first bytes in memory to parse the header
-            os.write(fd, chunk)
-        if n == 0:
-            raise BadAdapter("request body is empty; send one safetensors file",
-                             code="empty_body")
-        header = wire.parse_header(memoryview(head), body_len=n)
-    except BaseException:
-        os.close(fd)
         os.unlink(path)
-        raise
-    os.close(fd)
-    return StagedBody(path, n, header)
+    except FileNotFoundError:
+        pass
 
 
-def open_staged(path: str):
-    """Maps a staged body copy-on-write; returns (header, tensors viewing the mapping).
-    The mapping lives as long as the tensors do, even after the file is unlinked."""
-    with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+def _remove_orphans(root: str) -> None:
+    """Staging directories of HTTP processes that died without cleaning up (kill -9)."""
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        pid = name[len(AREA_PREFIX):]
+        if name.startswith(AREA_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_staged(path: str, only_reader: bool = False):
+    """Maps a staged body; returns (header, tensors viewing the mapping). The mapping lives
+    as long as the tensors do, even after the file is unlinked.
+
+    Engines scale lora_B in place when they register an adapter. On a copy-on-write mapping
+    each written page faults and is copied (about 20 ms per 35 MB here), so the file's only
+    reader maps it shared and writes into the file itself; several readers (tensor-parallel
+    ranks) must each keep a private copy."""
+    with open(path, "r+b" if only_reader else "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_WRITE if only_reader
+                        else mmap.ACCESS_COPY)
     header = wire.parse_header(memoryview(buf))
     return header, wire.view_tensors(buf, header)
 
@@ -113,7 +168,4 @@ async def wait_notices(paths: list[str], timeout_s: float, poll_s: float = 0.002
         return [results[p] for p in paths]
     finally:
         for p in paths:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+            discard(p)

@@ -86,12 +86,12 @@ from lora_sync import LoRASyncClient, LoRAAdapter, collective
 url, engine, adapter_dir, key = sys.argv[1:5]
 c = LoRASyncClient(url, engine=engine, api_key=key)
 c.init_group(timeout_s=10, bucket_bytes=16 * 1024)
-real = collective.broadcast_buckets
-def first_bucket_then_stall(group, buckets, tensors, device="cpu", src=0):
-    real(group, buckets[:1], tensors, device, src)
+real = collective.send_buckets
+def first_bucket_then_stall(group, buckets, tensors, kept, device="cpu", src=0):
+    real(group, buckets[:1], tensors, kept, device, src)
     print("SENT-FIRST-BUCKET", flush=True)
     time.sleep(3600)
-collective.broadcast_buckets = first_bucket_then_stall
+collective.send_buckets = first_bucket_then_stall
 c.broadcast(LoRAAdapter.from_dir(adapter_dir), "dying")
 """
 

@@ -136,10 +136,15 @@ def test_buckets_round_trip_and_respect_size():
     t = {"a": torch.randn(10, 10), "b": torch.randn(5).half(), "c": torch.randn(30)}
     plan = collective.plan_buckets(specs_of(t), max_bytes=450)
     assert [b.dtype for b in plan] == ["F32", "F32", "F16"]
-    out = {}
-    for b in plan:
-        out.update(collective.unpack_bucket(b, collective.pack_bucket(b, t)))
+    kept, out = {}, {}
+    for b, flat in zip(plan, collective.send_buffers(plan, kept)):
+        out.update(collective.unpack_bucket(b, collective.pack_bucket(b, t, flat)))
     assert all(torch.equal(out[k], t[k]) for k in t)
+    # One kept buffer per dtype, reused (not reallocated) by the next broadcast.
+    assert {k: v.numel() for k, v in kept.items()} == {"F32": 130, "F16": 5}
+    first = kept["F32"].data_ptr()
+    collective.send_buffers(plan, kept)
+    assert kept["F32"].data_ptr() == first
 
 
 def test_untested_engine_version_is_refused_unless_overridden(monkeypatch):

@@ -15,7 +15,7 @@ from lora_sync import collective
 from lora_sync.adapter import tensors_checksum
 from lora_sync.errors import BadAdapter, LoRASyncError, TransferFailed
 from lora_sync.staging import open_staged, write_notice
-from lora_sync.wire import TensorSpec
+from lora_sync.wire import DTYPES, TensorSpec
 
 
 @dataclass
@@ -24,6 +24,7 @@ class StoredAdapter:
     config: dict
     nbytes: int
     built: object = None  # the engine's LoRA model object, built once at intake
+    buffers: list = field(default_factory=list)  # the broadcast buckets the tensors view
 
 
 @dataclass
@@ -31,11 +32,15 @@ class WorkerState:
     adapters: dict[int, StoredAdapter] = field(default_factory=dict)
     groups: dict[str, object] = field(default_factory=dict)
     group_locks: dict[str, threading.Lock] = field(default_factory=dict)
+    # Buckets of the last dropped adapter, for the next broadcast to receive into: filling
+    # memory that is already mapped is several times cheaper than fresh pages (docs/protocol.md).
+    spare: list[torch.Tensor] = field(default_factory=list)
 
     # -- intake ---------------------------------------------------------------------
-    def stage_from_shm(self, path: str, config: dict, checksum: str | None = None) -> StoredAdapter:
-        """Views the staged body in place: the tensors share the (copy-on-write) mapping."""
-        header, tensors = open_staged(path)
+    def stage_from_shm(self, path: str, config: dict, checksum: str | None = None,
+                       only_reader: bool = False) -> StoredAdapter:
+        """Views the staged body in place: the tensors share its mapping (see `open_staged`)."""
+        header, tensors = open_staged(path, only_reader)
         check_intake(tensors, checksum)
         return StoredAdapter(tensors, config, header.total_bytes - header.data_start)
 
@@ -46,16 +51,35 @@ class WorkerState:
             raise BadAdapter(f"no LoRA update group {group_name!r} on this worker; call "
                              "init_lora_update_group first", code="no_group")
         plan = collective.plan_buckets([TensorSpec.from_json(s) for s in specs], bucket_bytes)
+        buffers = []
+
+        def alloc(dtype: str, numel: int) -> torch.Tensor:
+            buffers.append(self._take_spare(DTYPES[dtype], numel, device))
+            return buffers[-1]
         try:
-            tensors = collective.broadcast_buckets(pg, plan, None, device=device)
+            tensors = collective.receive_buckets(pg, plan, alloc=alloc)
         except Exception as e:  # a dead or slow trainer: the group is no longer usable
             self.destroy_group(group_name)
             raise TransferFailed(f"broadcast in group {group_name!r} failed ({e}); the group "
                                  "was dropped, create a new one") from e
-        if device != "cpu":
+        if device != "cpu":  # copied out: the device buckets are free for the next receive
             tensors = {k: v.cpu() for k, v in tensors.items()}
+            self.spare, buffers = buffers, []
         check_intake(tensors, checksum)
-        return StoredAdapter(tensors, config, sum(s.nbytes for b in plan for s in b.specs))
+        return StoredAdapter(tensors, config, sum(s.nbytes for b in plan for s in b.specs),
+                             buffers=buffers)
+
+    def _take_spare(self, dtype: torch.dtype, numel: int, device: str) -> torch.Tensor:
+        for i, buf in enumerate(self.spare):
+            if (buf.dtype, buf.numel(), buf.device.type) == (dtype, numel, device):
+                return self.spare.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def drop(self, adapter_id: int) -> None:
+        """Forgets an adapter the engine no longer serves; its buckets become the spares."""
+        stored = self.adapters.pop(adapter_id, None)
+        if stored is not None and stored.buffers:
+            self.spare = stored.buffers
 
     def receive_in_background(self, group_name: str, notice_path: str, keep, *args) -> None:
         """Receives on a thread so the engine keeps stepping during the transfer; then

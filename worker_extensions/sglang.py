@@ -32,8 +32,9 @@ class SchedulerExtension:
                 "held_ids": sorted(self.state.adapters), "groups": sorted(self.state.groups)}
 
     def op_stage(self, adapter_id: int, path: str, config: dict, checksum=None) -> dict:
-        return reply(lambda: self._keep(adapter_id,
-                                        self.state.stage_from_shm(path, config, checksum)))
+        _, world = engine_api.scheduler_rank(self.scheduler)
+        return reply(lambda: self._keep(adapter_id, self.state.stage_from_shm(
+            path, config, checksum, only_reader=world == 1)))
 
     def op_receive(self, adapter_id: int, group_name: str, specs: list, config: dict,
                    bucket_bytes: int, checksum, notice_paths: list) -> dict:
@@ -52,8 +53,8 @@ class SchedulerExtension:
 
     def op_drop(self, adapter_ids: list) -> dict:
         for i in adapter_ids:
-            self.state.adapters.pop(i, None)
             engine_api.unload_adapter(self.scheduler, engine_api.lora_id_of(i))
+            self.state.drop(i)
         return {"ok": True, "held": len(self.state.adapters)}
 
     def op_init_group(self, group_name: str, host: str, port: int, rank_offset: int,

@@ -41,8 +41,9 @@ class LoRASyncWorkerExtension:
 
     def lora_sync_stage(self, path: str, lora_int_id: int, config: dict,
                         checksum: str | None = None) -> dict:
-        return reply(lambda: self._lora_sync_keep(
-            lora_int_id, self._lora_sync_state().stage_from_shm(path, config, checksum)))
+        _, world = engine_api.worker_rank(self)
+        return reply(lambda: self._lora_sync_keep(lora_int_id, self._lora_sync_state(
+            ).stage_from_shm(path, config, checksum, only_reader=world == 1)))
 
     def lora_sync_receive(self, group_name: str, lora_int_id: int, specs: list, config: dict,
                           bucket_bytes: int, checksum: str | None, notice_paths: list) -> dict:
@@ -57,8 +58,8 @@ class LoRASyncWorkerExtension:
         """Forgets adapters: the worker's LoRA cache entry and our in-memory copy."""
         state, manager = self._lora_sync_state(), engine_api.worker_lora_manager(self)
         for i in lora_int_ids:
-            state.adapters.pop(i, None)
             engine_api.remove_worker_adapter(manager, i)
+            state.drop(i)
         return {"ok": True, "held": len(state.adapters)}
 
     def lora_sync_init_group(self, group_name: str, host: str, port: int, rank_offset: int,

@@ -12,7 +12,7 @@ from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check
 from ..adapter import ModelSpec
 from ..collective import DEFAULT_BUCKET_BYTES
 from ..errors import BadAdapter, LoRASyncError, NotFound
-from ..staging import stage_body
+from ..staging import StagingArea, discard
 from ..wire import TensorSpec
 from .bridge import EngineBridge
 
@@ -47,6 +47,7 @@ class AdapterRecord:
     loaded_at: float = field(default_factory=time.time)
     inflight: int = 0          # admitted requests not yet finished
     retired: bool = False      # out of the window: no new requests, dropped when idle
+    staged_path: str | None = field(default=None, repr=False)  # the body workers map
 
 
 def _parse_config(raw: str | None) -> dict:
@@ -72,6 +73,7 @@ class AdapterService:
         self._locks: dict[str, asyncio.Lock] = {}
         self._spec: ModelSpec | None = None
         self.group_timeouts: dict[str, float] = {}
+        self.staging = StagingArea()
 
     async def model_spec(self) -> ModelSpec:
         if self._spec is None:
@@ -81,7 +83,8 @@ class AdapterService:
     # -- transports ----------------------------------------------------------------
     async def load_from_body(self, chunks, content_length: int | None) -> dict:
         t0 = time.perf_counter()
-        staged = await stage_body(chunks, self.settings.max_body_bytes, content_length)
+        staged = await self.staging.stage(chunks, self.settings.max_body_bytes, content_length)
+        kept = False
         try:
             meta = staged.header.metadata
             name = naming.check_name(meta.get(META_NAME))
@@ -94,11 +97,14 @@ class AdapterService:
                 return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg,
                                                         meta.get(META_CHECKSUM))
             nbytes = staged.nbytes - staged.header.data_start
-            reply = await self._install(name, version, cfg, nbytes, "tensors", stage, t0)
+            reply = await self._install(name, version, cfg, nbytes, "tensors", stage, t0,
+                                        staged.path)
+            kept = True  # the workers now map the file: it goes back when the version does
             reply["timings_ms"]["receive"] = received_ms
             return reply
         finally:
-            staged.discard()
+            if not kept:
+                self.staging.release(staged.path)
 
     async def load_from_distributed(self, body: dict) -> dict:
         t0 = time.perf_counter()
@@ -127,7 +133,8 @@ class AdapterService:
                                              self.group_timeouts.get(group, 120.0) + 30)
         return await self._install(name, version, cfg, nbytes, "broadcast", receive, t0)
 
-    async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0) -> dict:
+    async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0,
+                       staged_path: str | None = None) -> dict:
         t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
             version = self.book.reserve(name, version_req)
@@ -148,7 +155,7 @@ class AdapterService:
             self.bridge.publish([served, name], handle)
             retired = self.book.commit(name, version, self.settings.keep_versions)
             rec = AdapterRecord(name, version, served, adapter_id, nbytes, int(cfg["r"]),
-                                transport, (t3 - t0) * 1e3)
+                                transport, (t3 - t0) * 1e3, staged_path=staged_path)
             self.records[served] = rec
             await self._retire(name, retired)
         return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
@@ -192,13 +199,17 @@ class AdapterService:
         if self.records.pop(rec.served_name, None) is None:
             return  # already dropped
         await self.bridge.unpublish([rec.served_name])
-        await self._forget([rec.adapter_id])
+        dropped = await self._forget([rec.adapter_id])
+        if rec.staged_path is not None:
+            # Reuse the file only once no worker serves from it; else just unlink it.
+            (self.staging.release if dropped else discard)(rec.staged_path)
 
-    async def _forget(self, adapter_ids: list[int]) -> None:
+    async def _forget(self, adapter_ids: list[int]) -> bool:
         try:
             await self.bridge.drop(adapter_ids)
+            return True
         except Exception:  # best effort: nothing was published for these ids
-            pass
+            return False
 
     async def _retire(self, name: str, versions: list[int]) -> None:
         """Never waits for generation: idle versions go now, busy ones when their last
