@@ -1,5 +1,6 @@
 """Versioned adapters under load on real vLLM and SGLang servers: retention window, retirement that
 never blocks, alias admission, the version reported back, memory staying flat."""
+import os
 import threading
 import time
 
@@ -7,7 +8,7 @@ import pytest
 
 from lora_sync import LoRASyncClient, NotFound, http
 
-from .helpers import AUTH, PROMPT
+from .helpers import AUTH, PROMPT, greedy
 
 KEEP = 3  # the session server's LORA_SYNC_KEEP_VERSIONS
 
@@ -180,3 +181,28 @@ def test_sglang_generate_route_and_paused_generation(sglang, make_adapter):
             time.sleep(0.1)
         assert versions_of(c, "paused") == [2, 3, 4]
         print(f"\npushes during pause took {pushes_s:.2f}s")
+
+
+@pytest.mark.parametrize("transport", ["tensors", "broadcast"])
+def test_retired_versions_memory_is_reused_and_live_versions_stay_intact(client, make_adapter,
+                                                                        server, transport):
+    """A push reuses what a retired version freed (the staging file of a tensor push, the
+    receive buckets of a broadcast). Every version still in the window keeps answering
+    exactly as right after its own push."""
+    staging = f"/dev/shm/lora-sync-staging-{server.proc.pid}"
+    if transport == "broadcast":
+        client.init_group()
+    try:
+        outputs, files = {}, []
+        for i in range(KEEP + 4):
+            [res] = client.push(make_adapter(seed=700 + i), "reuse", transport=transport)
+            outputs[res.name] = greedy(client, res.name)
+            for name in list(outputs)[-KEEP:]:
+                assert greedy(client, name) == outputs[name], f"{name} changed after a push"
+            files.append(sorted(os.listdir(staging)))
+    finally:
+        if transport == "broadcast":
+            client.destroy_group()
+    assert len(set(outputs.values())) > KEEP, "the adapters must differ for this test to mean much"
+    if transport == "tensors":  # from the first retirement on, the same files are reused
+        assert files[KEEP] and files[KEEP:] == [files[KEEP]] * (len(files) - KEEP)
