@@ -125,8 +125,11 @@ def open_staged(path: str, only_reader: bool = False):
     reader maps it shared and writes into the file itself; several readers (tensor-parallel
     ranks) must each keep a private copy."""
     with open(path, "r+b" if only_reader else "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_WRITE if only_reader
-                        else mmap.ACCESS_COPY)
+        if only_reader:  # every page gets read: map them all now (one call, not a fault each)
+            buf = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     header = wire.parse_header(memoryview(buf))
     return header, wire.view_tensors(buf, header)
 

@@ -35,6 +35,8 @@ class WorkerState:
     # Buckets of the last dropped adapter, for the next broadcast to receive into: filling
     # memory that is already mapped is several times cheaper than fresh pages (docs/protocol.md).
     spare: list[torch.Tensor] = field(default_factory=list)
+    # A busy version is dropped when its last request ends, maybe while a receive runs.
+    spare_lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- intake ---------------------------------------------------------------------
     def stage_from_shm(self, path: str, config: dict, checksum: str | None = None,
@@ -64,22 +66,25 @@ class WorkerState:
                                  "was dropped, create a new one") from e
         if device != "cpu":  # copied out: the device buckets are free for the next receive
             tensors = {k: v.cpu() for k, v in tensors.items()}
-            self.spare, buffers = buffers, []
+            with self.spare_lock:
+                self.spare, buffers = buffers, []
         check_intake(tensors, checksum)
         return StoredAdapter(tensors, config, sum(s.nbytes for b in plan for s in b.specs),
                              buffers=buffers)
 
     def _take_spare(self, dtype: torch.dtype, numel: int, device: str) -> torch.Tensor:
-        for i, buf in enumerate(self.spare):
-            if (buf.dtype, buf.numel(), buf.device.type) == (dtype, numel, device):
-                return self.spare.pop(i)
+        with self.spare_lock:
+            for i, buf in enumerate(self.spare):
+                if (buf.dtype, buf.numel(), buf.device.type) == (dtype, numel, device):
+                    return self.spare.pop(i)
         return torch.empty(numel, dtype=dtype, device=device)
 
     def drop(self, adapter_id: int) -> None:
         """Forgets an adapter the engine no longer serves; its buckets become the spares."""
         stored = self.adapters.pop(adapter_id, None)
         if stored is not None and stored.buffers:
-            self.spare = stored.buffers
+            with self.spare_lock:
+                self.spare = stored.buffers
 
     def receive_in_background(self, group_name: str, notice_path: str, keep, *args) -> None:
         """Receives on a thread so the engine keeps stepping during the transfer; then

@@ -162,7 +162,8 @@ class AdapterService:
                 "load_ms": rec.load_ms, "transport": transport,
                 "timings_ms": {"wait": (t1 - t_in) * 1e3, "worker": worker_ms,
                                "handoff": (t2 - t1) * 1e3 - worker_ms,
-                               "register": (t3 - t2) * 1e3}}
+                               "register": (t3 - t2) * 1e3,
+                               "retire": (time.perf_counter() - t3) * 1e3}}
 
     # -- admission (see admission.py) -------------------------------------------------
     def admit(self, requested: str):
