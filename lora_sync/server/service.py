@@ -74,6 +74,7 @@ class AdapterService:
         self._spec: ModelSpec | None = None
         self.group_timeouts: dict[str, float] = {}
         self.staging = StagingArea()
+        self._freeing: set[asyncio.Task] = set()
 
     async def model_spec(self) -> ModelSpec:
         if self._spec is None:
@@ -83,6 +84,8 @@ class AdapterService:
     # -- transports ----------------------------------------------------------------
     async def load_from_body(self, chunks, content_length: int | None) -> dict:
         t0 = time.perf_counter()
+        settle_ms = await self._settle()
+        t_recv = time.perf_counter()
         staged = await self.staging.stage(chunks, self.settings.max_body_bytes, content_length)
         kept = False
         try:
@@ -91,7 +94,7 @@ class AdapterService:
             version = naming.parse_version(meta.get(META_VERSION))
             cfg = check_adapter(staged.header.specs, _parse_config(meta.get(META_CONFIG)),
                                 await self.model_spec())
-            received_ms = (time.perf_counter() - t0) * 1e3
+            received_ms = (time.perf_counter() - t_recv) * 1e3
 
             async def stage(adapter_id):
                 return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg,
@@ -100,7 +103,7 @@ class AdapterService:
             reply = await self._install(name, version, cfg, nbytes, "tensors", stage, t0,
                                         staged.path)
             kept = True  # the workers now map the file: it goes back when the version does
-            reply["timings_ms"]["receive"] = received_ms
+            reply["timings_ms"].update(settle=settle_ms, receive=received_ms)
             return reply
         finally:
             if not kept:
@@ -126,12 +129,15 @@ class AdapterService:
         group = body.get("group_name") or "default"
         bucket = int(body.get("bucket_bytes") or DEFAULT_BUCKET_BYTES)
         nbytes = sum(s.nbytes for s in specs)
+        settle_ms = await self._settle()
 
         async def receive(adapter_id):
             return await self.bridge.receive(adapter_id, group, [s.to_json() for s in specs], cfg,
                                              bucket, body.get("checksum"),
                                              self.group_timeouts.get(group, 120.0) + 30)
-        return await self._install(name, version, cfg, nbytes, "broadcast", receive, t0)
+        reply = await self._install(name, version, cfg, nbytes, "broadcast", receive, t0)
+        reply["timings_ms"]["settle"] = settle_ms
+        return reply
 
     async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0,
                        staged_path: str | None = None) -> dict:
@@ -157,13 +163,12 @@ class AdapterService:
             rec = AdapterRecord(name, version, served, adapter_id, nbytes, int(cfg["r"]),
                                 transport, (t3 - t0) * 1e3, staged_path=staged_path)
             self.records[served] = rec
-            await self._retire(name, retired)
+            self._retire(name, retired)
         return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
                 "load_ms": rec.load_ms, "transport": transport,
                 "timings_ms": {"wait": (t1 - t_in) * 1e3, "worker": worker_ms,
                                "handoff": (t2 - t1) * 1e3 - worker_ms,
-                               "register": (t3 - t2) * 1e3,
-                               "retire": (time.perf_counter() - t3) * 1e3}}
+                               "register": (t3 - t2) * 1e3}}
 
     # -- admission (see admission.py) -------------------------------------------------
     def admit(self, requested: str):
@@ -194,16 +199,31 @@ class AdapterService:
             return
         rec.inflight -= 1
         if rec.retired and rec.inflight == 0:
-            asyncio.get_running_loop().create_task(self._drop(rec))
+            self._drop(rec)
 
-    async def _drop(self, rec: AdapterRecord) -> None:
+    def _drop(self, rec: AdapterRecord) -> None:
+        """Unlists a version now; frees its engine copies in the background (the next push
+        waits for that in `_settle`, so it can reuse the memory)."""
         if self.records.pop(rec.served_name, None) is None:
             return  # already dropped
+        task = asyncio.get_running_loop().create_task(self._free(rec))
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
+
+    async def _free(self, rec: AdapterRecord) -> None:
         await self.bridge.unpublish([rec.served_name])
         dropped = await self._forget([rec.adapter_id])
         if rec.staged_path is not None:
             # Reuse the file only once no worker serves from it; else just unlink it.
             (self.staging.release if dropped else discard)(rec.staged_path)
+
+    async def _settle(self) -> float:
+        """Waits until dropped versions are freed (overlaps the trainer's step in practice);
+        returns the milliseconds waited."""
+        t0 = time.perf_counter()
+        if self._freeing:
+            await asyncio.gather(*self._freeing, return_exceptions=True)
+        return (time.perf_counter() - t0) * 1e3
 
     async def _forget(self, adapter_ids: list[int]) -> bool:
         try:
@@ -212,7 +232,7 @@ class AdapterService:
         except Exception:  # best effort: nothing was published for these ids
             return False
 
-    async def _retire(self, name: str, versions: list[int]) -> None:
+    def _retire(self, name: str, versions: list[int]) -> None:
         """Never waits for generation: idle versions go now, busy ones when their last
         request finishes (see `release`)."""
         for v in versions:
@@ -220,7 +240,7 @@ class AdapterService:
             if rec is not None:
                 rec.retired = True
                 if rec.inflight == 0:
-                    await self._drop(rec)
+                    self._drop(rec)
 
     # -- groups ----------------------------------------------------------------------
     async def init_group(self, body: dict) -> dict:
