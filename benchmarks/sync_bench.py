@@ -263,7 +263,7 @@ def plot(result: dict, path: Path) -> None:
                 label=f"{engine}: {transport}")
     ax.set(xlabel="adapter size (MB)", ylabel="sync latency (ms, median)",
            title="LoRA sync latency vs adapter size", xscale="log", yscale="log")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
