@@ -77,7 +77,9 @@ def test_retiring_a_busy_version_never_blocks(client, make_adapter, server):
     pushes_s = time.perf_counter() - t0
     [entry] = [a for a in client.adapters()[0]["adapters"] if a["name"] == "busy"]
     v1 = [v for v in entry["versions"] if v["version"] == 1]
-    assert v1 and v1[0]["retired"] and v1[0]["inflight"] == 1, ("v1 must wait", entry, done)
+    if not (v1 and v1[0]["retired"] and v1[0]["inflight"] == 1):
+        t.join(timeout=30)  # say how the request ended, to tell a slow push from a lost one
+        pytest.fail(f"v1 must wait: pushes took {pushes_s:.2f}s; {entry}; request {done}")
     t.join(timeout=300)
     assert done["status"] == 200 and done["version"] == "1"
     assert pushes_s < done["seconds"], "pushes waited for generation"
