@@ -56,7 +56,7 @@ def memcpy_s(nbytes: int, reps: int) -> list[float]:
 
 class HttpSink:
     def __enter__(self):
-        self.port = free_port()
+        self.port, self.body = free_port(), b""
         self.proc = subprocess.Popen([sys.executable, "-c", _HTTP_SINK, str(self.port)])
         for _ in range(100):
             try:
@@ -67,7 +67,7 @@ class HttpSink:
         raise RuntimeError("HTTP sink did not start")
 
     def post_s(self, nbytes: int) -> float:
-        if getattr(self, "body", None) is None or len(self.body) != nbytes:
+        if len(self.body) != nbytes:  # one body per size, reused like the sink's buffer
             self.body = torch.ones(nbytes, dtype=torch.uint8).numpy().data
         body = self.body
         t0 = time.perf_counter()

@@ -113,8 +113,8 @@ def bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar) -> list[di
                 if transport.startswith("disk"):  # as a trainer would: drop the old version
                     client.unload_from_disk(served)
                 # After a request, vLLM's worker and engine loops busy-poll for about a second
-                # and, on two cores, slow whatever runs next. Start each sync from an idle
-                # server, as the raw limits are measured.
+                # and, on two cores, slow whatever runs next: start each sync from an idle
+                # server.
                 time.sleep(IDLE_S)
                 samples.append({"engine": engine, "transport": transport, "rank": rank,
                                 "bytes": adapter.nbytes, "rep": rep, "cold": rep <= 0,

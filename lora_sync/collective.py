@@ -97,7 +97,7 @@ def send_buffers(buckets: list[Bucket], kept: dict, device="cpu") -> list[torch.
         need[b.dtype] = need.get(b.dtype, 0) + b.numel
     for dtype, n in need.items():
         buf = kept.get(dtype)
-        if buf is None or buf.numel() < n or str(buf.device) != str(device):
+        if buf is None or buf.numel() < n or buf.device.type != torch.device(device).type:
             kept[dtype] = torch.empty(n, dtype=DTYPES[dtype], device=device)
     views, pos = [], dict.fromkeys(need, 0)
     for b in buckets:
@@ -133,15 +133,12 @@ def send_buckets(group: Group, buckets: list[Bucket], tensors: dict, kept: dict,
         w.wait()
 
 
-def receive_buckets(group: Group, buckets: list[Bucket], device="cpu", src: int = 0,
-                    alloc=None) -> dict[str, torch.Tensor]:
-    """A receiver's side: one buffer per bucket (they become the adapter's storage), all
-    queued at once; returns views named like the sender's tensors. `alloc(dtype, numel)`
-    may hand out recycled buffers instead of fresh ones."""
+def receive_buckets(group: Group, buckets: list[Bucket], flats: list[torch.Tensor],
+                    src: int = 0) -> dict[str, torch.Tensor]:
+    """A receiver's side: bucket i lands in `flats[i]` (which become the adapter's storage),
+    all queued at once; returns views named like the sender's tensors."""
     works, received = [], {}
-    for b in buckets:
-        flat = (alloc(b.dtype, b.numel) if alloc is not None else
-                torch.empty(b.numel, dtype=DTYPES[b.dtype], device=device))
+    for b, flat in zip(buckets, flats):
         works.append(group.start_broadcast(flat, src))
         received.update(unpack_bucket(b, flat))
     for w in works:

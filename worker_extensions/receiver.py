@@ -53,13 +53,9 @@ class WorkerState:
             raise BadAdapter(f"no LoRA update group {group_name!r} on this worker; call "
                              "init_lora_update_group first", code="no_group")
         plan = collective.plan_buckets([TensorSpec.from_json(s) for s in specs], bucket_bytes)
-        buffers = []
-
-        def alloc(dtype: str, numel: int) -> torch.Tensor:
-            buffers.append(self._take_spare(DTYPES[dtype], numel, device))
-            return buffers[-1]
+        buffers = [self._take_spare(DTYPES[b.dtype], b.numel, device) for b in plan]
         try:
-            tensors = collective.receive_buckets(pg, plan, alloc=alloc)
+            tensors = collective.receive_buckets(pg, plan, buffers)
         except Exception as e:  # a dead or slow trainer: the group is no longer usable
             self.destroy_group(group_name)
             raise TransferFailed(f"broadcast in group {group_name!r} failed ({e}); the group "
