@@ -64,15 +64,22 @@ def make_policy(model_dir: Path, cfg: LoopConfig):
     return policy, AutoTokenizer.from_pretrained(model_dir)
 
 
-def sequence_logprobs(policy, samples) -> torch.Tensor:
-    """Sum of log-probs of each sample's completion tokens under the trainer's policy."""
+def token_logprobs(policy, samples) -> list[torch.Tensor]:
+    """Log-probs of each sample's completion tokens under the trainer's policy."""
     out = []
     for prompt_ids, completion_ids in samples:
         ids = torch.tensor([prompt_ids + completion_ids])
         logits = policy(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
         logp = torch.log_softmax(logits.float(), -1)
-        out.append(logp.gather(1, torch.tensor(completion_ids)[:, None]).sum())
-    return torch.stack(out)
+        out.append(logp.gather(1, torch.tensor(completion_ids)[:, None])[:, 0])
+    return out
+
+
+def logprob_mismatch(trainer: list[torch.Tensor], server: list[list[float]]) -> float:
+    """Mean |trainer - server| log-prob of the sampled tokens. Near 0 when the server ran
+    exactly the policy the trainer pushed; a stale or corrupted sync shows up here first."""
+    diffs = [(t.detach() - torch.tensor(s, dtype=t.dtype)).abs() for t, s in zip(trainer, server)]
+    return torch.cat(diffs).mean().item()
 
 
 class Syncer:
@@ -132,17 +139,20 @@ def run(cfg: LoopConfig, server=None) -> dict:
                        for i in range(cfg.prompts_per_step)]
             reply = client.completions(model=served, prompt=prompts, n=cfg.group_size,
                                        max_tokens=cfg.max_tokens, temperature=1.0,
-                                       seed=cfg.seed * 100003 + step, return_token_ids=True)
-            samples, rewards = [], []
+                                       seed=cfg.seed * 100003 + step, return_token_ids=True,
+                                       logprobs=1)
+            samples, rewards, server_logprobs = [], [], []
             for choice in reply["choices"]:
                 prompt_ids = reply["choices"][choice["index"]].get("prompt_token_ids") \
                     or choice["prompt_token_ids"]
                 ids = choice["token_ids"] or [tokenizer.eos_token_id]
                 samples.append((prompt_ids, ids))
+                server_logprobs.append(choice["logprobs"]["token_logprobs"][:len(ids)])
                 rewards.append(torch.isin(torch.tensor(ids), targets).float().mean().item())
             r = torch.tensor(rewards).view(cfg.prompts_per_step, cfg.group_size)
             adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
-            loss = -(adv * sequence_logprobs(policy, samples)).mean()
+            logprobs = token_logprobs(policy, samples)
+            loss = -(adv * torch.stack([lp.sum() for lp in logprobs])).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -151,11 +161,13 @@ def run(cfg: LoopConfig, server=None) -> dict:
                 served, sync_s = syncer.push(policy)
             entry = {"step": step, "reward": r.mean().item(), "sync_s": sync_s,
                      "rollout_version": served_version, "pushed_version": syncer.version,
-                     "loss": loss.item()}
+                     "loss": loss.item(),
+                     "logprob_mismatch": logprob_mismatch(logprobs, server_logprobs)}
             log["steps"].append(entry)
             if cfg.progress:
                 steps.set_postfix(reward=f"{entry['reward']:.2f}", sync=f"{sync_s*1e3:.0f}ms",
-                                  version=syncer.version)
+                                  version=syncer.version,
+                                  mismatch=f"{entry['logprob_mismatch']:.0e}")
         log["samples"] = {m: client.complete(PROMPTS[0], m, cfg.max_tokens)["text"]
                           for m in ("base", served)}
     finally:
@@ -202,7 +214,8 @@ def main() -> None:
     first, last = summary(log)
     syncs = [s["sync_s"] for s in log["steps"]]
     print(f"mean reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f}; "
-          f"median sync {statistics.median(syncs)*1e3:.1f} ms ({cfg.transport})")
+          f"median sync {statistics.median(syncs)*1e3:.1f} ms ({cfg.transport}); worst "
+          f"trainer-server log-prob mismatch {max(s['logprob_mismatch'] for s in log['steps']):.1e}")
     for model, text in log["samples"].items():
         print(f"greedy {model!r:>12}: {PROMPTS[0]!r} -> {text!r}")
     print(f"log: {cfg.out_dir}/log_{cfg.transport}.json  plot: {cfg.out_dir}/reward_{cfg.transport}.png")

@@ -1,12 +1,18 @@
-"""The main job end to end: an RL loop trains a LoRA and syncs it into the real vLLM server
-every step. The reward must rise with syncing, and must not without it."""
+"""The main job end to end: an RL loop trains a LoRA and syncs it into a real vLLM or SGLang server
+every step. The server must sample from exactly the policy the trainer pushed (its log-probs of
+the sampled tokens match the trainer's), and the reward must rise with syncing and not without.
+SGLang's sampling is not reproducible from a seed, so the reward checks leave wide margins:
+24 steps end above 0.9 in every run we made, from about 0.12."""
 import pytest
 
 from examples.rl_loop import LoopConfig, run, summary
 
 
-def loop(server, model_dir, workdir, transport, name):
-    cfg = LoopConfig(steps=12, transport=transport, name=name, model_dir=str(model_dir),
+ON_POLICY = 1e-3  # mean |trainer - server| log-prob; float32 on both sides measures ~1e-6
+
+
+def loop(server, model_dir, workdir, transport, name, steps):
+    cfg = LoopConfig(steps=steps, transport=transport, name=name, model_dir=str(model_dir),
                      server_url=server.url, engine=server.engine, api_key=server.api_key,
                      out_dir=str(workdir / "rl" / server.engine), progress=False)
     return run(cfg)
@@ -14,10 +20,13 @@ def loop(server, model_dir, workdir, transport, name):
 
 @pytest.mark.parametrize("transport", ["tensors", "broadcast"])
 def test_reward_rises_when_lora_is_synced(server, model_dir, workdir, transport):
-    log = loop(server, model_dir, workdir, transport, f"rl-{transport}")
+    log = loop(server, model_dir, workdir, transport, f"rl-{transport}", steps=24)
     first, last = summary(log, k=3)
-    print(f"\n{server.engine} {transport}: reward first 3 steps {first:.3f}, last 3 steps {last:.3f}")
-    assert last > first + 0.25
+    mismatch = max(s["logprob_mismatch"] for s in log["steps"])
+    print(f"\n{server.engine} {transport}: reward first 3 steps {first:.3f}, last 3 steps "
+          f"{last:.3f}, worst log-prob mismatch {mismatch:.1e}")
+    assert mismatch < ON_POLICY, [s["logprob_mismatch"] for s in log["steps"]]
+    assert last > first + 0.4
     # Rollouts were served by the version the trainer had just pushed (on-policy).
     versions = [s["rollout_version"] for s in log["steps"]]
     assert versions == list(range(versions[0], versions[0] + len(versions)))
@@ -25,8 +34,11 @@ def test_reward_rises_when_lora_is_synced(server, model_dir, workdir, transport)
 
 
 def test_reward_flat_without_sync(server, model_dir, workdir):
-    log = loop(server, model_dir, workdir, "none", "rl-none")
+    log = loop(server, model_dir, workdir, "none", "rl-none", steps=12)
     first, last = summary(log, k=3)
     print(f"\n{server.engine} no sync: reward first 3 steps {first:.3f}, last 3 steps {last:.3f}")
     assert last < first + 0.1
+    # The mismatch check can fail: the trainer drifts away from the policy the server kept.
+    assert log["steps"][0]["logprob_mismatch"] < ON_POLICY
+    assert min(s["logprob_mismatch"] for s in log["steps"][2:]) > 100 * ON_POLICY
     assert len({s["rollout_version"] for s in log["steps"]}) == 1
