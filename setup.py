@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Push LoRA adapters from RL/fine-tuning trainers into live vLLM and SGLang "
                 "servers: safetensors over HTTP or a collective broadcast, versioned names.",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["lora_sync*", "vllm_ext*", "sglang_ext*",
                                     "worker_extensions*"]),
     install_requires=["torch", "safetensors", "fastapi"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -227,6 +228,13 @@ def summarize(samples: list[dict]) -> list[dict]:
     return rows
 
 
+def _cell(value, spec: str, unit: str, scale: float = 1.0) -> str:
+    """One table cell; '-' where a row has no such number (raw limits, missing runs)."""
+    if value is None or math.isnan(value):
+        return "-".rjust(len(format(0.0, spec)) + len(unit))
+    return f"{value * scale:{spec}}{unit}"
+
+
 def print_table(rows: list[dict]) -> str:
     head = (f"{'engine':7} {'transport':15} {'rank':>4} {'MB':>7} {'median':>8} {'min':>8} "
             f"{'max':>8} {'MB/s':>7} {'vs disk':>7} {'x limit':>7} {'cold':>8} {'1st compl':>9}"
@@ -237,9 +245,9 @@ def print_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['engine']:7} {r['transport']:15} {r['rank']:>4} {r['mb']:7.1f} "
             f"{r['median_s']*1e3:7.1f}ms {r['min_s']*1e3:6.1f}ms {r['max_s']*1e3:6.1f}ms "
-            f"{r['mb_per_s']:7.0f} {r.get('speedup_over_disk', float('nan')):6.2f}x "
-            f"{r.get('x_limit', float('nan')):6.2f}x {r['cold_s']*1e3:6.1f}ms "
-            f"{(r['first_completion_s'] or float('nan'))*1e3:7.0f}ms  {ph}")
+            f"{r['mb_per_s']:7.0f} {_cell(r.get('speedup_over_disk'), '6.2f', 'x')} "
+            f"{_cell(r.get('x_limit'), '6.2f', 'x')} {_cell(r['cold_s'], '6.1f', 'ms', 1e3)} "
+            f"{_cell(r['first_completion_s'], '7.0f', 'ms', 1e3)}  {ph}")
     text = "\n".join(lines)
     print(text)
     return text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -174,6 +175,7 @@ def run(cfg: LoopConfig, server=None) -> dict:
         client.close()
         if own_server is not None:
             own_server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)  # the saved versions (disk) and built model
     (out / f"log_{cfg.transport}.json").write_text(json.dumps(log, indent=1))
     plot(log, out / f"reward_{cfg.transport}.png")
     return log
