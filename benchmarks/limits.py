@@ -1,5 +1,6 @@
 """Reference limits for moving N bytes on this machine: memcpy, a raw loopback HTTP POST,
-and a raw gloo broadcast of one flat buffer (peers run as subprocesses, like a server would).
+the same POST through the ASGI stack both engines serve with, and a raw gloo broadcast of one
+flat buffer (peers run as subprocesses, like a server would).
 
 Every buffer is allocated once and reused, so the limits never pay for fresh pages (costly
 on this VM, see docs/protocol.md): they are the best case for the bytes alone."""
@@ -33,6 +34,24 @@ class Sink(BaseHTTPRequestHandler):
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Sink).serve_forever()
 """
 
+# uvicorn (uvloop, httptools) + FastAPI, as in vLLM and SGLang: the body streamed into a
+# reused file in /dev/shm, which is all our route does with it before parsing the header.
+_ASGI_SINK = r"""
+import os, sys, tempfile, uvicorn
+from fastapi import FastAPI, Request
+app = FastAPI()
+fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="lora-sync-asgi-sink-")
+os.unlink(path)  # the file lives as long as this process holds it
+@app.post("/")
+async def sink(request: Request):
+    os.lseek(fd, 0, os.SEEK_SET)
+    async for chunk in request.stream():
+        os.write(fd, chunk)
+    return {}
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop="uvloop",
+            http="httptools")
+"""
+
 _GLOO_PEER = r"""
 import sys, torch
 from lora_sync import collective
@@ -55,9 +74,15 @@ def memcpy_s(nbytes: int, reps: int) -> list[float]:
 
 
 class HttpSink:
+    """A loopback HTTP server that takes POST bodies: the standard library's, reading into one
+    reused buffer (`asgi=False`), or uvicorn + FastAPI like the engines (`asgi=True`)."""
+
+    def __init__(self, asgi: bool = False):
+        self.script = _ASGI_SINK if asgi else _HTTP_SINK
+
     def __enter__(self):
         self.port, self.body = free_port(), b""
-        self.proc = subprocess.Popen([sys.executable, "-c", _HTTP_SINK, str(self.port)])
+        self.proc = subprocess.Popen([sys.executable, "-c", self.script, str(self.port)])
         for _ in range(100):
             try:
                 http.request("POST", f"http://127.0.0.1:{self.port}/", chunks=[b"x"])

@@ -127,18 +127,20 @@ def bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar) -> list[di
 
 
 def bench_limits(model_dir, ranks, reps, dtype) -> list[dict]:
-    """Raw memcpy / loopback HTTP POST / gloo broadcast of the same bytes."""
+    """Raw memcpy / loopback HTTP POST (plain and through uvicorn + FastAPI) / gloo broadcast
+    of the same bytes."""
     samples = []
     for rank in ranks:
         nbytes = random_adapter(model_dir, rank, getattr(torch, dtype)).nbytes
         row = {"engine": "raw", "rank": rank, "bytes": nbytes}
         for t in limits.gloo_broadcast_s([nbytes] * (reps + 1))[1:]:
             samples.append({**row, "transport": "gloo_broadcast", "phases": {"total": t}})
-        with limits.HttpSink() as sink:
-            sink.post_s(nbytes)
-            for _ in range(reps):
-                samples.append({**row, "transport": "http_post",
-                                "phases": {"total": sink.post_s(nbytes)}})
+        for transport, asgi in (("http_post", False), ("asgi_post", True)):
+            with limits.HttpSink(asgi) as sink:
+                sink.post_s(nbytes)
+                for _ in range(reps):
+                    samples.append({**row, "transport": transport,
+                                    "phases": {"total": sink.post_s(nbytes)}})
         for t in limits.memcpy_s(nbytes, reps):
             samples.append({**row, "transport": "memcpy", "phases": {"total": t}})
     return samples
@@ -225,6 +227,10 @@ def summarize(samples: list[dict]) -> list[dict]:
             limit = med[raw[row["transport"]] + (rank,)]["total"] + registration
             row["limit_s"] = limit
             row["x_limit"] = row["median_s"] / limit
+        if row["transport"] == "tensors" and ("raw", "asgi_post", rank) in med:
+            # The same, against what the engines' own HTTP stack can receive.
+            asgi_limit = med[("raw", "asgi_post", rank)]["total"] + registration
+            row["x_asgi_limit"] = row["median_s"] / asgi_limit
     return rows
 
 
@@ -259,9 +265,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     rows = result["summary"]
-    colors = dict(zip(TRANSPORTS + ("http_post", "gloo_broadcast", "memcpy"),
+    colors = dict(zip(TRANSPORTS + ("http_post", "asgi_post", "gloo_broadcast", "memcpy"),
                       ("tab:purple", "tab:brown", "tab:blue", "tab:red", "tab:blue",
-                       "tab:red", "tab:gray")))
+                       "tab:cyan", "tab:red", "tab:gray")))
     styles = {"vllm": ("-", "o"), "sglang": ("-.", "s"), "raw": (":", "x")}
     for engine, transport in sorted({(r["engine"], r["transport"]) for r in rows}):
         pts = sorted((r["mb"], r["median_s"] * 1e3) for r in rows

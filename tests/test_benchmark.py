@@ -16,7 +16,8 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
     assert saved["machine"]["vllm"] == "0.32.0"
     kinds = {(s["engine"], s["transport"]) for s in saved["samples"]}
     assert {(e, t) for t in TRANSPORTS for e in ("vllm", "sglang")} <= kinds
-    assert {("raw", "http_post"), ("raw", "gloo_broadcast"), ("raw", "memcpy")} <= kinds
+    assert {("raw", "http_post"), ("raw", "asgi_post"), ("raw", "gloo_broadcast"),
+            ("raw", "memcpy")} <= kinds
     for s in saved["samples"]:
         assert s["bytes"] > 0 and s["phases"]["total"] > 0
     # The rounds that fill the retention window (3 on the test servers) are reported apart.
@@ -26,6 +27,7 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
     rows = {(r["engine"], r["transport"]): r for r in result["summary"]}
     for engine in ("vllm", "sglang"):
         assert rows[(engine, "tensors")]["x_limit"] > 0
+        assert rows[(engine, "tensors")]["x_asgi_limit"] > 0
         assert rows[(engine, "broadcast")]["speedup_over_disk"] > 0
         assert rows[(engine, "broadcast")]["cold_s"] > 0
         assert set(rows[(engine, "tensors")]["phases_s"]) >= {"receive", "worker", "handoff",
