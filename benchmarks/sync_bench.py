@@ -27,6 +27,10 @@ from lora_sync.tiny_model import QWEN_05B_SHAPES, build_tiny_model
 from . import limits
 
 TRANSPORTS = ("disk", "disk_shm", "tensors", "broadcast")
+# Each transport's reference limits (raw transfer of the same bytes, plus registration) and the
+# summary key of its multiple; tensors also against the engines' own HTTP stack (uvicorn).
+LIMITS = {"tensors": (("http_post", "x_limit"), ("asgi_post", "x_asgi_limit")),
+          "broadcast": (("gloo_broadcast", "x_limit"),)}
 IDLE_S = 1.2
 
 
@@ -220,17 +224,14 @@ def summarize(samples: list[dict]) -> list[dict]:
         disk = med.get((engine, "disk", rank), {}).get("total")
         tens = med.get((engine, "tensors", rank), {})
         registration = tens.get("worker", 0) + tens.get("register", 0)
-        raw = {"tensors": ("raw", "http_post"), "broadcast": ("raw", "gloo_broadcast")}
         if row["engine"] != "raw" and disk:
             row["speedup_over_disk"] = disk / row["median_s"]
-        if row["transport"] in raw and raw[row["transport"]] + (rank,) in med:
-            limit = med[raw[row["transport"]] + (rank,)]["total"] + registration
-            row["limit_s"] = limit
-            row["x_limit"] = row["median_s"] / limit
-        if row["transport"] == "tensors" and ("raw", "asgi_post", rank) in med:
-            # The same, against what the engines' own HTTP stack can receive.
-            asgi_limit = med[("raw", "asgi_post", rank)]["total"] + registration
-            row["x_asgi_limit"] = row["median_s"] / asgi_limit
+        for raw, key in LIMITS.get(row["transport"], ()):
+            if ("raw", raw, rank) in med:
+                limit = med[("raw", raw, rank)]["total"] + registration
+                row[key] = row["median_s"] / limit
+                if key == "x_limit":
+                    row["limit_s"] = limit
     return rows
 
 
