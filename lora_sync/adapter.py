@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from .errors import BadAdapter
 META_NAME, META_CONFIG, META_VERSION, META_CHECKSUM = (
     "lora_name", "adapter_config", "version", "checksum")
 
+MAX_TARGETS = 1024
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])"
                        r"(?:\.default)?\.weight$")
 
@@ -122,7 +124,11 @@ def normalize_config(config: dict, tensor_names) -> dict:
     that actually carry tensors, which is what both engines need."""
     if not isinstance(config, dict):
         raise BadAdapter("adapter_config must be a JSON object", code="bad_config")
-    cfg = json.loads(json.dumps(config, default=_jsonable))
+    try:
+        cfg = json.loads(json.dumps(config, default=_jsonable))
+    except (RecursionError, ValueError) as e:
+        raise BadAdapter(f"adapter_config cannot be read as JSON: {type(e).__name__}",
+                         code="bad_config") from e
     targets = cfg.get("target_modules")
     if targets == "all-linear" or targets is None:
         bases = set()
@@ -133,11 +139,11 @@ def normalize_config(config: dict, tensor_names) -> dict:
     elif isinstance(targets, str):
         raise BadAdapter(f"adapter_config target_modules is the pattern {targets!r}; send an "
                          "explicit list of module names (or 'all-linear')", code="bad_config")
-    elif isinstance(targets, list):
+    elif isinstance(targets, list) and len(targets) <= MAX_TARGETS:
         cfg["target_modules"] = sorted(set(map(str, targets)))
     else:
-        raise BadAdapter("adapter_config target_modules must be a list of names",
-                         code="bad_config")
+        raise BadAdapter(f"adapter_config target_modules must be a list of at most "
+                         f"{MAX_TARGETS} names", code="bad_config")
     return cfg
 
 
@@ -168,31 +174,76 @@ class ModelSpec:
         return {n.rsplit(".", 1)[-1] for n in self.linear}
 
 
+# PEFT features that change what an adapter computes and that lora-sync does not serve: each
+# must be absent or at its default (falsy), on both engines alike.
+UNSUPPORTED_FEATURES = {
+    "use_dora": "DoRA", "modules_to_save": "modules_to_save", "lora_bias": "LoRA bias",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)", "rank_pattern": "per-module ranks",
+    "alpha_pattern": "per-module alphas", "layer_replication": "layer_replication",
+    "alora_invocation_tokens": "Activated LoRA", "use_bdlora": "block-diagonal LoRA",
+    "use_qalora": "QALoRA", "megatron_config": "Megatron layers"}
+# Larger is not a LoRA anyone trained: it overflows float16/bfloat16 activations of every
+# request batched with it (observed: 1e38 turned other tenants' outputs to garbage).
+MAX_LORA_ALPHA = 65536.0
+
+
+def check_config(cfg: dict, max_rank: int) -> int:
+    """Checks every field of a (normalized) PEFT config that changes the computation; returns
+    the rank `r`. Numbers must be finite and in range anywhere in the config."""
+    _finite_everywhere(cfg, "adapter_config")
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise BadAdapter(f"adapter_config r must be an integer, got {type(r).__name__}",
+                         code="bad_config")
+    if not 1 <= r <= max_rank:
+        raise BadAdapter(f"adapter_config r={r if r.bit_length() < 64 else '<huge>'} must be "
+                         f"between 1 and the server's max LoRA rank {max_rank} "
+                         "(--max-lora-rank)", code="rank_too_large" if r > 0 else "bad_config")
+    alpha = cfg.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or \
+            not 0 < alpha <= MAX_LORA_ALPHA:
+        raise BadAdapter(f"adapter_config lora_alpha must be a number in (0, {MAX_LORA_ALPHA:g}]"
+                         f", got {str(alpha)[:40]}", code="bad_config")
+    if not isinstance(cfg.get("use_rslora", False), bool):
+        raise BadAdapter("adapter_config use_rslora must be true or false", code="bad_config")
+    if cfg.get("bias", "none") != "none":
+        raise BadAdapter(f"adapter_config bias={str(cfg['bias'])[:40]!r} is not supported; "
+                         "only 'none'", code="unsupported_module")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in ("gaussian", "eva", "orthogonal", "mica",
+                                                        "lora_ga"):
+        raise BadAdapter(f"adapter_config init_lora_weights={init[:40]!r} modifies the base "
+                         "model; convert the adapter to a plain LoRA", code="unsupported_module")
+    for flag, what in UNSUPPORTED_FEATURES.items():
+        if cfg.get(flag):
+            raise BadAdapter(f"adapter_config uses {what}, which lora-sync cannot serve",
+                             code="unsupported_module")
+    return r
+
+
+def _finite_everywhere(value, where: str, depth: int = 0) -> None:
+    if depth > 16:
+        raise BadAdapter(f"{where} is nested too deeply", code="bad_config")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadAdapter(f"{where} is {value}: numbers in adapter_config must be finite",
+                         code="bad_config")
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        _finite_everywhere(v, f"{where}.{k}"[:200], depth + 1)
+
+
 def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) -> dict:
     """Checks that `model` can serve an adapter with these tensors and config, from the header
     alone (before any tensor data is read). Returns the normalized config."""
     if not specs:
         raise BadAdapter("the adapter has no tensors", code="empty_adapter")
     cfg = normalize_config(config, [s.name for s in specs])
-    for flag, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save")):
-        if cfg.get(flag):
-            raise BadAdapter(f"adapter_config uses {what}, which lora-sync cannot serve",
-                             code="unsupported_module")
-    try:
-        r = int(cfg["r"])
-        float(cfg["lora_alpha"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise BadAdapter("adapter_config needs an integer 'r' and a numeric 'lora_alpha'",
-                         code="bad_config") from e
-    if r <= 0:
-        raise BadAdapter(f"adapter_config r={r} must be positive", code="bad_config")
-    if r > model.max_rank:
-        raise BadAdapter(f"adapter rank {r} is above the server's max LoRA rank "
-                         f"{model.max_rank} (--max-lora-rank)", code="rank_too_large")
+    r = check_config(cfg, model.max_rank)
     unknown = sorted(t for t in cfg["target_modules"] if not model.has_target(t))
     if unknown:
-        raise BadAdapter(f"adapter_config target_modules {unknown} are not linear layers of "
-                         f"the base model (it has {sorted(model.module_bases)})",
+        raise BadAdapter(f"adapter_config target_modules {unknown[:20]} are not linear layers "
+                         f"of the base model (it has {sorted(model.module_bases)})",
                          code="unknown_module")
     halves: dict[str, dict[str, tuple]] = {}
     for s in specs:
@@ -206,7 +257,12 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
         if len(s.shape) != 2:
             raise BadAdapter(f"tensor {s.name!r} must be 2-D, got shape {list(s.shape)}",
                              code="bad_shape")
-        halves.setdefault(module, {})[half] = s.shape
+        if half in halves.setdefault(module, {}):
+            # 'base_model.model.X.lora_A.weight' and 'X.lora_A.weight' are the same weight:
+            # an engine would keep one of the two silently.
+            raise BadAdapter(f"tensor {s.name!r}: module {module!r} has a second lora_{half} "
+                             "under another name", code="duplicate_module")
+        halves[module][half] = s.shape
     for module, h in halves.items():
         if set(h) != {"A", "B"}:
             missing = ({"A", "B"} - set(h)).pop()
@@ -219,7 +275,7 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
                 f"module {module!r}: lora_A {list(h['A'])} / lora_B {list(h['B'])} do not fit "
                 f"the base layer (in={fan_in}, out={fan_out}); expected A [r, {fan_in}] and "
                 f"B [{fan_out}, r]", code="bad_shape")
-        if ra > model.max_rank:
-            raise BadAdapter(f"module {module!r} has rank {ra}, above the server's max LoRA "
-                             f"rank {model.max_rank}", code="rank_too_large")
+        if ra != r:
+            raise BadAdapter(f"module {module!r} has rank {ra} but adapter_config r is {r}: "
+                             "every lora_A/lora_B pair must have rank r", code="bad_shape")
     return cfg

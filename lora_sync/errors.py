@@ -42,6 +42,22 @@ class Unauthorized(LoRASyncError):
     status, code = 401, "unauthorized"
 
 
+class Forbidden(LoRASyncError):
+    """Authenticated or not, this is never allowed here (admin routes closed, a trainer
+    address outside the allowed list, an engine route acting on our names)."""
+    status, code = 403, "forbidden"
+
+
+class TooBusy(LoRASyncError):
+    """A bounded resource is full (staging bytes, names, pending groups): retry later."""
+    status, code = 429, "too_busy"
+
+
+class TimedOut(LoRASyncError):
+    """The client sent its body too slowly or stopped sending it."""
+    status, code = 408, "body_timeout"
+
+
 class TransferFailed(LoRASyncError):
     """A collective transfer timed out or a peer vanished (502: the server is fine)."""
     status, code = 502, "transfer_failed"
@@ -54,7 +70,7 @@ def error_from_json(status: int, body: dict) -> LoRASyncError:
     msg = msg[:2000] if isinstance(msg, str) else msg  # foreign errors may echo the body
     code = err.get("code") if isinstance(err, dict) else None
     for cls in (BadAdapter, PayloadTooLarge, VersionConflict, NotFound, Unauthorized,
-                TransferFailed):
+                Forbidden, TooBusy, TimedOut, TransferFailed):
         if cls.status == status:
             return cls(msg or str(body), code=code)
     return LoRASyncError(msg or str(body), code=code or "http_error", status=status)

@@ -6,8 +6,12 @@ from dataclasses import dataclass, field
 
 from .errors import BadAdapter, VersionConflict
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_VERSIONED = re.compile(r"^(?P<name>.+)-v(?P<version>\d+)$")
+# ASCII only and matched whole (`fullmatch`): `$` would accept a trailing newline, which then
+# breaks the X-LoRA-Name reply header of every request on that name.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_VERSIONED = re.compile(r"(?P<name>.+)-v(?P<version>[0-9]{1,19})")
+_DIGITS = re.compile(r"[0-9]{1,19}")
+MAX_VERSION = 2 ** 63 - 1  # what every engine-side integer can hold
 
 
 def versioned(name: str, version: int) -> str:
@@ -16,30 +20,41 @@ def versioned(name: str, version: int) -> str:
 
 def split_versioned(served: str) -> tuple[str, int | None]:
     """'policy-v3' -> ('policy', 3); 'policy' -> ('policy', None)."""
-    m = _VERSIONED.match(served)
+    m = _VERSIONED.fullmatch(served)
     return (m["name"], int(m["version"])) if m else (served, None)
 
 
-def check_name(name) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise BadAdapter(f"lora_name {name!r} must be 1-128 characters of letters, digits, "
-                         "'.', '_' or '-'", code="bad_name")
-    if _VERSIONED.match(name):
-        raise BadAdapter(f"lora_name {name!r} must not end in -v<N>: the server appends the "
+def check_name(name, what: str = "lora_name") -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise BadAdapter(f"{what} {_short(name)} must be 1-128 ASCII letters, digits, "
+                         "'.', '_' or '-', starting with a letter or digit", code="bad_name")
+    if _VERSIONED.fullmatch(name):
+        raise BadAdapter(f"{what} {name!r} must not end in -v<N>: the server appends the "
                          "version itself", code="bad_name")
     return name
 
 
 def parse_version(raw) -> int | None:
+    """A version from a header string or a JSON number: ASCII digits only, 1 <= v < 2**63."""
     if raw is None or raw == "":
         return None
-    try:
-        v = int(str(raw), 10)
-    except ValueError:
-        raise BadAdapter(f"version {raw!r} is not a decimal integer", code="bad_version")
-    if v <= 0:
-        raise BadAdapter(f"version {v} must be >= 1", code="bad_version")
-    return v
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise BadAdapter(f"version {_short(raw)} must be a decimal integer", code="bad_version")
+    if isinstance(raw, str):
+        if not _DIGITS.fullmatch(raw):
+            raise BadAdapter(f"version {_short(raw)} must be 1-19 ASCII digits",
+                             code="bad_version")
+        raw = int(raw)
+    if not 1 <= raw <= MAX_VERSION:
+        raise BadAdapter(f"version {_short(raw)} must be between 1 and {MAX_VERSION}",
+                         code="bad_version")
+    return raw
+
+
+def _short(value, limit: int = 80) -> str:
+    """repr() of client input, cut short: error messages must not echo a huge value."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else "<huge int>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -48,16 +63,24 @@ class VersionBook:
     calls `reserve` before loading and `commit` once every worker has the version."""
     versions: dict[str, list[int]] = field(default_factory=dict)
     reserved: dict[str, int] = field(default_factory=dict)
+    # Newest version of a retired name whose versions may still drain: a new push of the
+    # name must not reuse one of their served names.
+    floors: dict[str, int] = field(default_factory=dict)
 
     def latest(self, name: str) -> int | None:
         vs = self.versions.get(name)
         return vs[-1] if vs else None
 
+    def names(self) -> set[str]:
+        """Every name that is servable or has a push in flight."""
+        return {n for n, vs in self.versions.items() if vs} | set(self.reserved)
+
     def reserve(self, name: str, requested: int | None) -> int:
         """The version a push will get; refuses one not above the newest (or in flight)."""
-        floor = max(self.latest(name) or 0, self.reserved.get(name, 0))
+        floor = max(self.latest(name) or 0, self.reserved.get(name, 0),
+                    self.floors.get(name, 0))
         version = floor + 1 if requested is None else requested
-        if version <= floor:
+        if version <= floor or version > MAX_VERSION:
             raise VersionConflict(f"{name}: version {version} is not above the newest "
                                   f"version {floor}", code="version_conflict")
         self.reserved[name] = version
@@ -78,3 +101,10 @@ class VersionBook:
             return []
         retired, self.versions[name] = vs[:-keep], vs[-keep:]
         return retired
+
+    def forget(self, name: str) -> list[int]:
+        """Takes every version of `name` out of service (the alias goes with them)."""
+        versions = self.versions.pop(name, [])
+        if versions:
+            self.floors[name] = max(versions[-1], self.floors.get(name, 0))
+        return versions

@@ -156,7 +156,9 @@ def vllm_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64,
            "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
            "--max-cpu-loras", str(max_cpu_loras), "--max-num-seqs", "8",
            "--served-model-name", "base", *extra_args]
-    base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
+    # The engine's own disk route: the baseline tests and the benchmark compare against.
+    base_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
                 "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return ServerProcess(cmd, port, {**base_env, **(env or {})}, engine="vllm")
 

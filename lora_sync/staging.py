@@ -16,10 +16,23 @@ import uuid
 from dataclasses import dataclass
 
 from . import wire
-from .errors import BadAdapter, PayloadTooLarge
+from .errors import BadAdapter, PayloadTooLarge, TimedOut, TooBusy
 
 SHM_DIR = os.environ.get("LORA_SYNC_SHM_DIR", "/dev/shm")
 AREA_PREFIX = "lora-sync-staging-"
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What one client may make the server hold while it uploads."""
+    max_body: int                  # bytes in one body
+    max_inflight: int              # bytes of all bodies being received at once
+    idle_s: float = 10.0           # longest pause between two chunks
+    min_rate: float = 1 << 20      # bytes/s a body must average after `grace_s`
+    grace_s: float = 10.0
+
+    def deadline(self, nbytes: int) -> float:
+        return time.monotonic() + self.grace_s + nbytes / self.min_rate
 
 
 @dataclass
@@ -47,23 +60,30 @@ class StagingArea:
         self.dir = os.path.join(root, f"{AREA_PREFIX}{os.getpid()}")
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.spare, self.free = spare, []
+        self.inflight = 0  # bytes claimed by bodies being received now
         atexit.register(self.close)
 
-    async def stage(self, chunks, limit: int, content_length: int | None = None) -> StagedBody:
+    async def stage(self, chunks, limits: BodyLimits,
+                    content_length: int | None = None) -> StagedBody:
         """Writes an async stream of byte chunks into a file and checks its header. Refuses
-        a body above `limit` before reading it when Content-Length says so."""
-        if content_length is not None and content_length > limit:
-            raise _too_large(content_length, limit)
+        a body above the limit before reading it when Content-Length says so, a body that
+        would take the bytes in flight past their bound, and a body that stalls."""
+        if content_length is not None and content_length > limits.max_body:
+            raise _too_large(content_length, limits.max_body)
+        claimed = content_length if content_length is not None else limits.max_body
+        if self.inflight + claimed > limits.max_inflight:
+            raise TooBusy(f"{self.inflight} bytes of other uploads are being received; this "
+                          f"body would pass LORA_SYNC_MAX_STAGING_MB "
+                          f"({limits.max_inflight} bytes): retry later", code="staging_full")
+        self.inflight += claimed
         path = self.free.pop() if self.free else os.path.join(self.dir, uuid.uuid4().hex)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         n, head = 0, bytearray()
         try:
-            async for chunk in chunks:
-                if not chunk:
-                    continue
+            async for chunk in _paced(chunks, limits, claimed):
                 n += len(chunk)
-                if n > limit:
-                    raise _too_large(n, limit)
+                if n > limits.max_body:
+                    raise _too_large(n, limits.max_body)
                 if len(head) < 8 or len(head) < wire.header_length(head):
                     head += chunk  # keep the first bytes in memory to parse the header
                 os.write(fd, chunk)
@@ -71,12 +91,15 @@ class StagingArea:
             if n == 0:
                 raise BadAdapter("request body is empty; send one safetensors file",
                                  code="empty_body")
-            header = wire.parse_header(memoryview(head), body_len=n)
+            # Off the event loop: a large header takes a while to parse, and generation
+            # requests must not wait for it.
+            header = await asyncio.to_thread(wire.parse_header, memoryview(head), n)
         except BaseException:
             self.release(path)
             raise
         finally:
             os.close(fd)
+            self.inflight -= claimed
         return StagedBody(path, n, header)
 
     def release(self, path: str) -> None:
@@ -88,6 +111,25 @@ class StagingArea:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def _paced(chunks, limits: BodyLimits, nbytes: int):
+    """The non-empty chunks of `chunks`, failing when the client pauses longer than
+    `idle_s` or falls behind `min_rate` (a stalled upload must not hold its bytes forever)."""
+    deadline = limits.deadline(nbytes)
+    stream = chunks.__aiter__()
+    while True:
+        wait = min(limits.idle_s, deadline - time.monotonic())
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), max(wait, 0.0))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise TimedOut(f"the body arrived too slowly (no data for {limits.idle_s:g} s, or "
+                           f"below {limits.min_rate / 2 ** 20:g} MB/s); the upload was dropped",
+                           code="body_timeout") from None
+        if chunk:
+            yield chunk
 
 
 def discard(path: str) -> None:

@@ -19,7 +19,12 @@ from .errors import BadAdapter
 # safetensors dtype tag <-> torch dtype; LoRA weights are floating point only.
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPE_TAGS = {v: k for k, v in DTYPES.items()}
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound safetensors itself uses
+# A header lists names, dtypes, shapes and offsets: ~130 bytes a tensor, ~50 KB for an
+# all-linear LoRA of a 0.5B model, ~2.5 MB for one on every expert of a large MoE. The bound
+# keeps a hostile header (millions of tiny JSON values) from holding the server for seconds.
+MAX_HEADER_BYTES = 8 * 1024 * 1024
+MAX_TENSORS = 100_000
+MAX_DIM = 2 ** 40
 
 
 @dataclass(frozen=True)
@@ -47,17 +52,21 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorSpec":
-        try:
-            name, dtype, shape = d["name"], d["dtype"], tuple(int(x) for x in d["shape"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadAdapter(f"tensor spec {d!r} needs name, dtype and shape",
-                             code="bad_metadata") from e
+        name, dtype, shape = (d.get(k) for k in ("name", "dtype", "shape")) \
+            if isinstance(d, dict) else (None, None, None)
+        if not (isinstance(name, str) and 0 < len(name) <= 512 and isinstance(dtype, str)
+                and isinstance(shape, list) and len(shape) <= 8
+                and all(type(x) is int for x in shape)):
+            raise BadAdapter(f"tensor spec {str(d)[:100]} needs a name (1-512 characters), a "
+                             "dtype and a shape (a list of at most 8 integers)",
+                             code="bad_metadata")
         if dtype not in DTYPES:
-            raise BadAdapter(f"tensor {name!r} has dtype {dtype}; LoRA weights must be "
+            raise BadAdapter(f"tensor {name!r} has dtype {dtype[:20]!r}; LoRA weights must be "
                              f"one of {sorted(DTYPES)}", code="bad_dtype")
-        if any(x < 0 for x in shape):
-            raise BadAdapter(f"tensor {name!r} has a negative dimension", code="bad_shape")
-        return cls(name, dtype, shape)
+        if any(not 0 <= x <= MAX_DIM for x in shape):
+            raise BadAdapter(f"tensor {name!r} has a dimension outside 0..{MAX_DIM}",
+                             code="bad_shape")
+        return cls(name, dtype, tuple(shape))
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,8 @@ def _no_duplicates(pairs):
     seen = {}
     for k, v in pairs:
         if k in seen:
-            raise BadAdapter(f"safetensors header names {k!r} twice", code="bad_safetensors")
+            raise BadAdapter(f"safetensors header names {k[:200]!r} twice",
+                             code="bad_safetensors")
         seen[k] = v
     return seen
 
@@ -133,12 +143,16 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
                          f"but only {len(buf) - 8} were sent", code="bad_safetensors")
     try:
         raw = json.loads(bytes(buf[8:hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
-        assert isinstance(raw, dict)
     except BadAdapter:
         raise
-    except Exception as e:
+    except Exception as e:  # not UTF-8, not JSON, or nested too deeply (RecursionError)
+        raw = e
+    if not isinstance(raw, dict):
         raise BadAdapter("body is not a safetensors file: header is not a JSON object",
-                         code="bad_safetensors") from e
+                         code="bad_safetensors")
+    if len(raw) > MAX_TENSORS + 1:
+        raise BadAdapter(f"safetensors header lists {len(raw)} entries, more than "
+                         f"{MAX_TENSORS} tensors", code="bad_safetensors")
     meta = raw.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise BadAdapter("safetensors __metadata__ must map strings to strings",
@@ -148,15 +162,14 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
         if not isinstance(info, dict):
             raise BadAdapter(f"tensor {name!r}: header entry is not an object",
                              code="bad_safetensors")
-        try:
-            spec = TensorSpec.from_json({"name": name, "dtype": info["dtype"],
-                                         "shape": info["shape"]})
-            begin, end = (int(x) for x in info["data_offsets"])
-        except BadAdapter:
-            raise
-        except Exception as e:
-            raise BadAdapter(f"tensor {name!r}: header entry needs dtype, shape and "
-                             "data_offsets", code="bad_safetensors") from e
+        spec = TensorSpec.from_json({"name": name, "dtype": info.get("dtype"),
+                                     "shape": info.get("shape")})
+        offsets = info.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(x) is int for x in offsets)):
+            raise BadAdapter(f"tensor {name[:200]!r}: header entry needs data_offsets "
+                             "[begin, end]", code="bad_safetensors")
+        begin, end = offsets
         if end - begin != spec.nbytes or begin < 0:
             raise BadAdapter(f"tensor {name!r}: data_offsets {begin}..{end} do not match "
                              f"{spec.dtype}{list(spec.shape)} ({spec.nbytes} bytes)",

@@ -51,14 +51,21 @@ class SGLangBridge(EngineBridge):
         for name in names:
             await engine_api.unregister_name(self.tm, name)
 
+    async def in_use(self, adapter_id, served_name):
+        return engine_api.adapter_in_use(self.tm, engine_api.lora_id_of(adapter_id))
+
     async def drop(self, adapter_ids):
         await self._call("drop", adapter_ids=list(adapter_ids))
+        for i in adapter_ids:
+            engine_api.forget_usage(self.tm, engine_api.lora_id_of(i))
 
     async def init_group(self, group_name, host, port, rank_offset, world_size, backend,
                          timeout_s):
+        notices = notice_paths(engine_api.tp_size(self.tm))
         await self._call("init_group", group_name=group_name, host=host, port=port,
                          rank_offset=rank_offset, world_size=world_size, backend=backend,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, notice_paths=notices)
+        check_worker_replies(await wait_notices(notices, timeout_s + 2))
 
     async def destroy_group(self, group_name):
         await self._call("destroy_group", group_name=group_name)

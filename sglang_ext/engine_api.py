@@ -144,14 +144,46 @@ async def register_name(tm, served_name: str, lora_id: str) -> None:
 
 
 async def unregister_name(tm, served_name: str) -> None:
-    import asyncio
-    if served_name not in tm.lora_registry.get_all_adapters():
-        return
-    lora_id = await tm.lora_registry.unregister(served_name)
-    try:  # only frees the registry's counter: our own count says no request is left
-        await asyncio.wait_for(tm.lora_registry.wait_for_unload(lora_id), 0.5)
-    except asyncio.TimeoutError:
-        pass
+    """New requests naming it get SGLang's own 'unknown adapter' error. The registry's usage
+    counter stays until `forget_usage`: `adapter_in_use` reads it while requests drain.
+    (The registry's wait_for_unload is not used: it waits without a bound.)"""
+    if served_name in tm.lora_registry.get_all_adapters():
+        await tm.lora_registry.unregister(served_name)
+
+
+def adapter_in_use(tm, lora_id: str) -> bool:
+    """Whether a request still holds the adapter: the registry's usage count (taken when the
+    tokenizer manager resolves lora_path), or any in-flight request carrying its id."""
+    counter = tm.lora_registry._counters.get(lora_id)
+    if counter is not None and counter.value() > 0:
+        return True
+    return any(getattr(state.obj, "lora_id", None) == lora_id or
+               (isinstance(getattr(state.obj, "lora_id", None), list)
+                and lora_id in state.obj.lora_id)
+               for state in list(tm.rid_to_state.values()))
+
+
+def forget_usage(tm, lora_id: str) -> None:
+    tm.lora_registry._counters.pop(lora_id, None)
+
+
+# SGLang's own routes that load or unload adapters by name (admin-optional upstream).
+NATIVE_ADAPTER_ROUTES = (("POST", "/load_lora_adapter", "lora_name"),
+                         ("POST", "/unload_lora_adapter", "lora_name"))
+
+
+def engine_keys(tm) -> tuple[str | None, str | None]:
+    """(--api-key, --admin-api-key)."""
+    args = tm.server_args
+    return getattr(args, "api_key", None) or None, getattr(args, "admin_api_key", None) or None
+
+
+def mark_admin(router) -> None:
+    """SGLang's middleware reads an endpoint's auth level from the route; unmarked routes
+    would take the generation key (--api-key) instead of the admin key."""
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+    for route in router.routes:
+        auth_level(AuthLevel.ADMIN_OPTIONAL)(route.endpoint)
 
 
 def lora_id_of(adapter_id: int) -> str:

@@ -18,6 +18,10 @@ def main() -> None:
         os.environ["SGLANG_PLUGINS"] = allowed + ",lora_sync"
     if "--enable-lora" not in sys.argv:
         sys.argv.append("--enable-lora")
+    # One admin key for our routes and SGLang's own admin routes (see plugin.py).
+    key = os.environ.get("LORA_SYNC_API_KEY")
+    if key and not any(a.startswith("--admin-api-key") for a in sys.argv):
+        sys.argv += ["--admin-api-key", key]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
 

@@ -5,6 +5,7 @@ message handler to every scheduler and our routes + admission middleware to the 
 """
 from __future__ import annotations
 
+import os
 from functools import partial
 
 from . import engine_api
@@ -22,13 +23,26 @@ def _on_scheduler(scheduler) -> None:
 
 def _on_tokenizer_manager(tm) -> None:
     engine_api.check_version()
-    from lora_sync.server.admission import AdmissionMiddleware
-    from lora_sync.server.routes import build_router
+    from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
+    from lora_sync.server.routes import build_router, own_paths
     from lora_sync.server.service import AdapterService, Settings
 
     from .bridge import SGLangBridge
-    service = AdapterService(SGLangBridge(tm), Settings.from_env())
+    api_key, admin_key = engine_api.engine_keys(tm)
+    ours = os.environ.get("LORA_SYNC_API_KEY") or None
+    # SGLang's own middleware checks admin routes (ours included) against --admin-api-key,
+    # and against --api-key when that is the only key: one admin key must serve both.
+    if ours and (admin_key or api_key) and admin_key != ours:
+        raise RuntimeError("lora-sync: LORA_SYNC_API_KEY must also be SGLang's "
+                           "--admin-api-key when SGLang has API keys (python -m "
+                           "sglang_ext.launch_server passes it)")
+    settings = Settings.from_env(engine_has_key=bool(api_key or admin_key),
+                                 engine_admin_key=admin_key)
+    service = AdapterService(SGLangBridge(tm), settings)
+    router = build_router("")
+    engine_api.mark_admin(router)
     # SGLang's OpenAI routes pick the adapter from `lora_path`, not from `model`.
-    app = engine_api.add_routes_and_middleware(
-        build_router(""), partial(AdmissionMiddleware, also_set=("lora_path",)))
+    app = engine_api.add_routes_and_middleware(router, partial(
+        AdmissionMiddleware, own_paths=own_paths(""), also_set=("lora_path",),
+        native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES]))
     app.state.lora_sync = service

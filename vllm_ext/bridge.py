@@ -50,13 +50,18 @@ class VLLMBridge(EngineBridge):
     async def unpublish(self, names):
         engine_api.unpublish(self.state, names)
 
+    async def in_use(self, adapter_id, served_name):
+        return engine_api.adapter_in_use(self.engine, adapter_id)
+
     async def drop(self, adapter_ids):
         await self._rpc("lora_sync_drop", list(adapter_ids))
 
     async def init_group(self, group_name, host, port, rank_offset, world_size, backend,
                          timeout_s):
+        notices = notice_paths(await self._worker_count())
         await self._rpc("lora_sync_init_group", group_name, host, port, rank_offset,
-                        world_size, backend, timeout_s)
+                        world_size, backend, timeout_s, notices)
+        check_worker_replies(await wait_notices(notices, timeout_s + 2))
 
     async def destroy_group(self, group_name):
         await self._rpc("lora_sync_destroy_group", group_name)

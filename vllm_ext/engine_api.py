@@ -8,6 +8,7 @@ from __future__ import annotations
 from lora_sync.server.pins import require_tested
 
 TESTED_VLLM = "0.32.0"
+LORA_PATH_SCHEME = "lora-sync://"  # marks our adapters' paths: never read from disk
 
 
 def check_version() -> str:
@@ -21,7 +22,39 @@ def lora_request(served_name: str, lora_int_id: int):
     # The path is never read for our adapters; it must be non-empty and unique per version
     # because vLLM's prefix-cache keys include it.
     return LoRARequest(lora_name=served_name, lora_int_id=lora_int_id,
-                       lora_path=f"lora-sync://{served_name}")
+                       lora_path=f"{LORA_PATH_SCHEME}{served_name}")
+
+
+# The engine's own routes that load or unload adapters by name (SageMaker's come with
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING through model_hosting_container_standards).
+NATIVE_ADAPTER_ROUTES = (("POST", "/v1/load_lora_adapter", "lora_name"),
+                         ("POST", "/v1/unload_lora_adapter", "lora_name"),
+                         ("POST", "/adapters", "name"), ("DELETE", "/adapters/", None))
+# vLLM's --api-key middleware guards only these prefixes (serve/middleware/authenticate.py):
+# /invocations, for one, generates unguarded.
+KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def engine_api_keys(args) -> list[str]:
+    """The keys vLLM's middleware accepts (--api-key, else VLLM_API_KEY)."""
+    import os
+    return [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
+def accept_admin_key(args, admin_key: str | None) -> None:
+    """Lets lora-sync's admin key through vLLM's --api-key middleware (which sits in front
+    of our /v1 routes), so a trainer needs one key. Called before the middleware is built."""
+    keys = engine_api_keys(args)
+    if admin_key and keys and admin_key not in keys:
+        args.api_key = keys + [admin_key]
+
+
+def adapter_in_use(engine_client, lora_int_id: int) -> bool:
+    """Whether any request vLLM has not finished (from the API process's add_request until
+    its last output, so also requests still on their way to EngineCore) uses the adapter."""
+    states = engine_client.output_processor.request_states.values()
+    return any(s.lora_request is not None and s.lora_request.lora_int_id == lora_int_id
+               for s in list(states))
 
 
 def serving_models(app_state):
@@ -108,7 +141,12 @@ def install_memory_loader(manager, lookup) -> None:
 
     def load_adapter(lora_request):
         lora = lookup(lora_request.lora_int_id)
-        return lora if lora is not None else disk_loader(lora_request)
+        if lora is not None:
+            return lora
+        if str(lora_request.lora_path).startswith(LORA_PATH_SCHEME):
+            raise RuntimeError(f"lora-sync adapter {lora_request.lora_name} was freed while a "
+                               "request still used it")
+        return disk_loader(lora_request)
 
     manager._lora_sync_lookup = lookup
     manager._load_adapter = load_adapter

@@ -3,8 +3,10 @@
 vLLM loads endpoint plugins only when named in VLLM_PLUGINS; our launcher sets it."""
 from __future__ import annotations
 
-from lora_sync.server.admission import AdmissionMiddleware
-from lora_sync.server.routes import build_router
+import os
+
+from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
+from lora_sync.server.routes import build_router, own_paths
 from lora_sync.server.service import AdapterService, Settings
 
 from . import engine_api
@@ -18,12 +20,20 @@ class LoRASyncEndpointPlugin:
     def attach_router(self, app) -> None:
         engine_api.check_version()
         app.include_router(build_router("/v1"))
-        app.add_middleware(AdmissionMiddleware)
+        app.add_middleware(
+            AdmissionMiddleware, own_paths=own_paths("/v1"),
+            native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES],
+            engine_guards=lambda path: path.startswith(engine_api.KEY_GUARDED_PREFIXES))
+        # vLLM's --api-key middleware sits in front of our /v1 routes: let our key through.
+        engine_api.accept_admin_key(app.state.args, os.environ.get("LORA_SYNC_API_KEY"))
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
             return
-        service = AdapterService(VLLMBridge(engine_client, state), Settings.from_env())
+        keys = engine_api.engine_api_keys(args)
+        settings = Settings.from_env(engine_has_key=bool(keys))
+        settings.generation_keys = tuple(keys)
+        service = AdapterService(VLLMBridge(engine_client, state), settings)
         await service.model_spec()  # fail at start-up, not at the first push
         if getattr(args, "worker_extension_cls", "") != WORKER_EXTENSION:
             raise RuntimeError(f"lora-sync needs --worker-extension-cls {WORKER_EXTENSION}")

@@ -2,7 +2,11 @@
 
 Starts vLLM's OpenAI server with lora-sync's routes and worker extension (and LoRA on).
 lora-sync's own settings come from the environment (see README):
-LORA_SYNC_MAX_BODY_MB, LORA_SYNC_KEEP_VERSIONS, LORA_SYNC_API_KEY."""
+LORA_SYNC_MAX_BODY_MB, LORA_SYNC_KEEP_VERSIONS, LORA_SYNC_API_KEY, ...
+
+vLLM's runtime adapter routes (/v1/load_lora_adapter, SageMaker's /adapters) load server-side
+paths by name; they stay off unless the operator sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=True,
+and then they take lora-sync's admin key and refuse lora-sync's names."""
 from __future__ import annotations
 
 import os
@@ -16,8 +20,6 @@ def prepare(argv: list[str]) -> list[str]:
     """The vLLM command line and environment lora-sync needs."""
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     os.environ["VLLM_PLUGINS"] = ",".join(plugins + ["lora_sync"] * ("lora_sync" not in plugins))
-    # The engine's own disk route stays available (the baseline the benchmark compares to).
-    os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     argv = list(argv)
     if "--enable-lora" not in argv:
         argv.append("--enable-lora")

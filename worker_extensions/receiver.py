@@ -32,6 +32,9 @@ class WorkerState:
     adapters: dict[int, StoredAdapter] = field(default_factory=dict)
     groups: dict[str, object] = field(default_factory=dict)
     group_locks: dict[str, threading.Lock] = field(default_factory=dict)
+    # Groups being set up on a background thread: name -> the set-up that may finish it.
+    pending: dict[str, object] = field(default_factory=dict)
+    groups_lock: threading.Lock = field(default_factory=threading.Lock)
     # Buckets of the last dropped adapter, for the next broadcast to receive into: filling
     # memory that is already mapped is several times cheaper than fresh pages (docs/protocol.md).
     spare: list[torch.Tensor] = field(default_factory=list)
@@ -93,16 +96,53 @@ class WorkerState:
         threading.Thread(target=work, name=f"lora-sync-recv-{group_name}", daemon=True).start()
 
     # -- groups ---------------------------------------------------------------------
-    def init_group(self, group_name: str, host: str, port: int, rank: int, world_size: int,
-                   backend: str, timeout_s: float) -> None:
-        if group_name in self.groups:
-            raise LoRASyncError(f"group {group_name!r} already exists", code="group_exists",
-                                status=409)
-        pg = collective.create_group(host, port, rank, world_size, backend, timeout_s)
-        self.groups[group_name] = (pg, "cuda" if backend == "nccl" else "cpu")
+    def init_group_in_background(self, group_name: str, notice_path: str, host: str,
+                                 port: int, rank: int, world_size: int, backend: str,
+                                 timeout_s: float) -> None:
+        """Joins the trainer's group on a thread: the rendezvous may wait for a slow or
+        hostile peer, and the engine must keep generating meanwhile. The outcome goes to
+        `notice_path`; a group that comes up after the API gave up is shut down."""
+        with self.groups_lock:
+            if group_name in self.groups or group_name in self.pending:
+                raise LoRASyncError(f"group {group_name!r} already exists", code="group_exists",
+                                    status=409)
+            setup = self.pending[group_name] = object()
+        deadline = time.monotonic() + timeout_s
+
+        def create() -> None:
+            try:
+                pg = collective.create_group(host, port, rank, world_size, backend, timeout_s)
+            except Exception as e:
+                raise TransferFailed(f"could not join group {group_name!r} at {host}:{port} "
+                                     f"within {timeout_s:g} s: {str(e)[:300]}") from e
+            with self.groups_lock:
+                wanted = self.pending.get(group_name) is setup and time.monotonic() < deadline
+                if wanted:
+                    del self.pending[group_name]
+                    self.groups[group_name] = (pg, "cuda" if backend == "nccl" else "cpu")
+            if not wanted:
+                pg.shutdown()
+                raise TransferFailed(f"group {group_name!r} came up after {timeout_s:g} s; "
+                                     "discarded")
+
+        def work():
+            try:
+                write_notice(notice_path, reply(create))
+            finally:
+                with self.groups_lock:
+                    if self.pending.get(group_name) is setup:
+                        del self.pending[group_name]
+        threading.Thread(target=work, name=f"lora-sync-join-{group_name}", daemon=True).start()
+
+    def group_names(self) -> list[str]:
+        """Groups up or being set up (each holds a connection to a trainer)."""
+        with self.groups_lock:
+            return sorted({*self.groups, *self.pending})
 
     def destroy_group(self, group_name: str) -> bool:
-        pg, _ = self.groups.pop(group_name, (None, None))
+        with self.groups_lock:
+            self.pending.pop(group_name, None)  # a late set-up is then discarded
+            pg, _ = self.groups.pop(group_name, (None, None))
         if pg is not None:
             pg.shutdown()
         return pg is not None

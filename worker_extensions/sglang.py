@@ -29,7 +29,7 @@ class SchedulerExtension:
         rank, world = engine_api.scheduler_rank(self.scheduler)
         return {"ok": True, "rank": rank, "world_size": world,
                 "cached_ids": engine_api.loaded_ids(self.scheduler),
-                "held_ids": sorted(self.state.adapters), "groups": sorted(self.state.groups)}
+                "held_ids": sorted(self.state.adapters), "groups": self.state.group_names()}
 
     def op_stage(self, adapter_id: int, path: str, config: dict, checksum=None) -> dict:
         _, world = engine_api.scheduler_rank(self.scheduler)
@@ -58,10 +58,12 @@ class SchedulerExtension:
         return {"ok": True, "held": len(self.state.adapters)}
 
     def op_init_group(self, group_name: str, host: str, port: int, rank_offset: int,
-                      world_size: int, backend: str, timeout_s: float) -> dict:
+                      world_size: int, backend: str, timeout_s: float,
+                      notice_paths: list) -> dict:
+        """Starts joining the trainer's group off the scheduler thread (see receiver)."""
         rank, _ = engine_api.scheduler_rank(self.scheduler)
-        return reply(self.state.init_group, group_name, host, port, rank_offset + rank,
-                     world_size, backend, timeout_s)
+        return reply(self.state.init_group_in_background, group_name, notice_paths[rank],
+                     host, port, rank_offset + rank, world_size, backend, timeout_s)
 
     def op_destroy_group(self, group_name: str) -> dict:
         return {"ok": True, "existed": self.state.destroy_group(group_name)}

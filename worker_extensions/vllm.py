@@ -37,7 +37,7 @@ class LoRASyncWorkerExtension:
         cached = engine_api.worker_lora_manager(self).list_adapters()
         return {"ok": True, "rank": rank, "world_size": world, "cached_ids": sorted(cached),
                 "held_ids": sorted(self._lora_sync_state().adapters),
-                "groups": sorted(self._lora_sync_state().groups)}
+                "groups": self._lora_sync_state().group_names()}
 
     def lora_sync_stage(self, path: str, lora_int_id: int, config: dict,
                         checksum: str | None = None) -> dict:
@@ -63,10 +63,13 @@ class LoRASyncWorkerExtension:
         return {"ok": True, "held": len(state.adapters)}
 
     def lora_sync_init_group(self, group_name: str, host: str, port: int, rank_offset: int,
-                             world_size: int, backend: str, timeout_s: float) -> dict:
+                             world_size: int, backend: str, timeout_s: float,
+                             notice_paths: list) -> dict:
+        """Starts joining the trainer's group and returns at once (see receiver)."""
         rank, _ = engine_api.worker_rank(self)
-        return reply(self._lora_sync_state().init_group, group_name, host, port,
-                     rank_offset + rank, world_size, backend, timeout_s)
+        return reply(self._lora_sync_state().init_group_in_background, group_name,
+                     notice_paths[rank], host, port, rank_offset + rank, world_size, backend,
+                     timeout_s)
 
     def lora_sync_destroy_group(self, group_name: str) -> dict:
         return {"ok": True, "existed": self._lora_sync_state().destroy_group(group_name)}

@@ -1,68 +1,212 @@
-"""Admission of generation requests that name a lora-sync adapter (ASGI middleware).
+"""Admission: every request that reaches the engine passes here first (ASGI middleware).
 
-At admission the alias is resolved to the newest servable version and the request is
-rewritten to name that version, so the engine serves exactly it even if a push moves the
-alias meanwhile. The version is counted as in flight until the response ends; a retired
-version is dropped from the engine only when its last request finishes. Every reply carries
-`X-LoRA-Version` / `X-LoRA-Name` headers naming the version that served it.
+A generation request may name a lora-sync adapter in several places, and the engines have
+many routes that read them (vLLM: every OpenAI, Anthropic, SageMaker and token route reads
+`model`; SGLang also reads `lora_path`, a list of them, or `parameters.lora_path`). So
+admission does not go by route: on every route it reads the places an adapter can be named,
+resolves the alias to the newest servable version, rewrites the request to name exactly that
+version and counts it in flight until the response ends. A retired version is dropped from
+the engine only when its last request finishes (and the engine itself has none left on it).
+
+Two more jobs, because they sit on the same path:
+  * the engines' own adapter routes (load/unload by name or path) are guarded like ours and
+    never act on our names (`NativeRoute`);
+  * SGLang's internal `lora_id` field is refused: it skips the engine's own checks.
+Every reply on an adapter carries `X-LoRA-Version` / `X-LoRA-Name` headers.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
-# Routes whose JSON body names the adapter, and the field that does (OpenAI routes on both
-# engines; SGLang's native /generate uses lora_path).
-ADAPTER_FIELDS = {"/v1/completions": "model", "/v1/chat/completions": "model",
-                  "/generate": "lora_path"}
+from ..errors import BadAdapter, LoRASyncError, PayloadTooLarge
+
+# The request header SageMaker routes read the adapter from (vLLM's /invocations).
+SAGEMAKER_ADAPTER_HEADER = b"x-amzn-sagemaker-adapter-identifier"
+# Fields that name adapters, at the top level of a JSON body and inside `parameters`.
+NAME_FIELDS = ("model", "lora_path")
+NESTED = ("parameters",)
+INTERNAL_FIELDS = ("lora_id",)  # SGLang's engine ids: never taken from a client
+BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
+
+
+@dataclass(frozen=True)
+class NativeRoute:
+    """An engine route that loads or unloads adapters by name: `field` names it in the JSON
+    body, or `path_prefix` + name is the path (SageMaker's DELETE /adapters/<name>)."""
+    method: str
+    path: str
+    field: str | None = None
 
 
 class AdmissionMiddleware:
-    def __init__(self, app, also_set: tuple[str, ...] = ()):
+    def __init__(self, app, own_paths: frozenset = frozenset(), native_routes=(),
+                 also_set: tuple[str, ...] = (), engine_guards=None):
         self.app = app
-        self.also_set = also_set  # more fields to set to the version (engine-specific)
+        # engine_guards(path): whether the engine's own key middleware covers `path`; where
+        # it does not, requests on our adapters are checked against its keys here.
+        self.engine_guards = engine_guards
+        self.own_paths = own_paths      # our admin routes: they check their own input
+        self.native = {(r.method, r.path): r for r in native_routes}
+        self.native_prefixes = [r for r in native_routes if r.path.endswith("/")]
+        self.also_set = also_set        # fields to set when `model` names ours (SGLang)
 
     async def __call__(self, scope, receive, send):
-        field = ADAPTER_FIELDS.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if field is None or scope.get("method") != "POST":
+        if scope["type"] != "http" or scope.get("method") not in BODY_METHODS \
+                or scope.get("path") in self.own_paths:
             return await self.app(scope, receive, send)
         service = getattr(scope["app"].state, "lora_sync", None)
-        body = await _read_body(receive)
+        if service is None:  # the server is still starting
+            return await self.app(scope, receive, send)
         try:
-            request = json.loads(body)
-        except ValueError:
-            request = None
-        name = request.get(field) if isinstance(request, dict) else None
-        admitted = None
-        if service is not None and isinstance(name, str):
-            # SGLang style "base:adapter" names the adapter after the colon.
-            admitted = service.admit(name.rsplit(":", 1)[-1])
-        if admitted is None:  # not ours: pass through untouched
+            body = await _read_body(receive, service.settings.max_request_bytes)
+            request = _parse(body, scope)
+            native = self._native_route(scope)
+            if native is not None:
+                service.authorize_native(_header(scope, b"authorization"),
+                                         _native_name(native, scope, request))
+                return await self.app(scope, _replay(body, receive), send)
+            admitted, scope, body = self._admit(service, scope, request, body)
+        except LoRASyncError as e:
+            return await _json_reply(send, e.status, e.to_json())
+        if not admitted:
             return await self.app(scope, _replay(body, receive), send)
-        if isinstance(admitted, dict):  # a retired or unknown version of one of our names
-            return await _json_reply(send, 404, admitted)
-        for f in (field, *self.also_set):
-            request[f] = admitted.served_name
-        body = json.dumps(request).encode()
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-        scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+        versions = sorted({a.served_name: a for a in admitted}.values(), key=lambda a: a.version)
 
         async def send_with_version(message):
             if message["type"] == "http.response.start":
                 message = {**message, "headers": list(message.get("headers", [])) + [
-                    (b"x-lora-version", str(admitted.version).encode()),
-                    (b"x-lora-name", admitted.served_name.encode())]}
+                    (b"x-lora-version", ",".join(str(a.version) for a in versions).encode()),
+                    (b"x-lora-name", ",".join(a.served_name for a in versions).encode())]}
             await send(message)
         try:
             await self.app(scope, _replay(body, receive), send_with_version)
         finally:
-            service.release(admitted.served_name)
+            for a in admitted:
+                service.release(a.served_name)
+
+    def _native_route(self, scope) -> NativeRoute | None:
+        method, path = scope["method"], scope["path"]
+        route = self.native.get((method, path))
+        if route is None:
+            route = next((r for r in self.native_prefixes
+                          if r.method == method and path.startswith(r.path)), None)
+        return route
+
+    def _admit(self, service, scope, request, body):
+        """Admits every adapter the request names; returns (admitted, scope, body) with the
+        request rewritten to name the admitted versions."""
+        if not isinstance(request, dict):
+            return [], scope, body
+        places = [request] + [request[k] for k in NESTED if isinstance(request.get(k), dict)]
+        for place in places:
+            for f in INTERNAL_FIELDS:
+                if place.get(f) is not None:
+                    raise BadAdapter(f"field {f!r} is internal to the engine; name the "
+                                     "adapter in 'model' or 'lora_path'", code="bad_request")
+        admitted, ok = [], False
+        try:
+            header = _header(scope, SAGEMAKER_ADAPTER_HEADER)
+            if header is not None:
+                served = self._admit_name(service, header, admitted)
+                if served is not None:
+                    scope = _with_header(scope, SAGEMAKER_ADAPTER_HEADER, served)
+            model_served = None
+            for place in places:
+                for f in NAME_FIELDS:
+                    value = place.get(f)
+                    if isinstance(value, list):
+                        place[f] = [self._admit_name(service, v, admitted) or v for v in value]
+                    elif isinstance(value, str):
+                        served = self._admit_name(service, value, admitted)
+                        if served is not None:
+                            place[f] = served
+                            model_served = model_served or (served if f == "model" else None)
+            if model_served is not None:
+                for f in self.also_set:  # SGLang serves the adapter named in lora_path
+                    if request.get(f) not in (None, model_served):
+                        raise BadAdapter(f"'model' names {model_served} but {f!r} names "
+                                         f"another adapter; name it once", code="bad_request")
+                    request[f] = model_served
+            if admitted and self.engine_guards is not None \
+                    and not self.engine_guards(scope["path"]):
+                service.authorize_generation(_header(scope, b"authorization"))
+            ok = True
+        finally:
+            if not ok:
+                for a in admitted:
+                    service.release(a.served_name)
+        if admitted:
+            body = json.dumps(request).encode()
+            scope = _with_header(scope, b"content-length", str(len(body)))
+        return admitted, scope, body
+
+    @staticmethod
+    def _admit_name(service, value, admitted: list) -> str | None:
+        """The versioned name `value` resolves to, if it is one of ours (counted in flight)."""
+        if not isinstance(value, str):
+            return None
+        # SGLang style "base:adapter" names the adapter after the colon.
+        record = service.admit(value.rsplit(":", 1)[-1])
+        if record is None:
+            return None
+        admitted.append(record)
+        return record.served_name
 
 
-async def _read_body(receive) -> bytes:
-    chunks, more = [], True
+def _native_name(route: NativeRoute, scope, request) -> str | None:
+    if route.field is None:
+        return scope["path"][len(route.path):] or None
+    return request.get(route.field) if isinstance(request, dict) else None
+
+
+def _parse(body: bytes, scope):
+    """The JSON body, or None when there is none or it is not JSON (multipart uploads). A
+    body that claims to be JSON must parse: the engine would otherwise read an adapter name
+    that admission never saw (a parser differential)."""
+    ctype = (_header(scope, b"content-type") or "application/json").split(";")[0].strip()
+    if not body.strip() or ctype not in ("application/json", ""):
+        return None
+    try:
+        return json.loads(body, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise BadAdapter("request body is nested too deeply", code="bad_request") from None
+    except ValueError as e:
+        raise BadAdapter(f"request body is not valid JSON: {str(e)[:200]}",
+                         code="bad_request") from None
+
+
+def _unique_keys(pairs):
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("an object names a key twice")
+    return out
+
+
+def _header(scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+def _with_header(scope, name: bytes, value: str) -> dict:
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != name]
+    return {**scope, "headers": headers + [(name, value.encode())]}
+
+
+async def _read_body(receive, limit: int) -> bytes:
+    chunks, more, n = [], True, 0
     while more:
         message = await receive()
-        chunks.append(message.get("body", b""))
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        n += len(chunk)
+        if n > limit:
+            raise PayloadTooLarge(f"request body above {limit} bytes "
+                                  "(LORA_SYNC_MAX_REQUEST_MB)")
+        chunks.append(chunk)
         more = message.get("more_body", False)
     return b"".join(chunks)
 

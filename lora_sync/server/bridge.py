@@ -35,11 +35,16 @@ class EngineBridge(ABC):
 
     @abstractmethod
     def publish(self, names: list[str], handle) -> None:
-        """Makes requests naming any of `names` use `handle` (atomic per name)."""
+        """Makes requests naming any of `names` (versioned names only) use `handle`."""
 
     @abstractmethod
     async def unpublish(self, names: list[str]) -> None:
         """New requests naming these get a 404."""
+
+    @abstractmethod
+    async def in_use(self, adapter_id: int, served_name: str) -> bool:
+        """Whether the engine still has a request (queued, running or on its way in) on
+        this adapter: it must not be dropped before that request ends."""
 
     @abstractmethod
     async def drop(self, adapter_ids: list[int]) -> None:
@@ -48,7 +53,8 @@ class EngineBridge(ABC):
     @abstractmethod
     async def init_group(self, group_name: str, host: str, port: int, rank_offset: int,
                          world_size: int, backend: str, timeout_s: float) -> None:
-        """Every worker joins the trainer's group."""
+        """Every worker joins the trainer's group, off the engine's step loop; a worker not
+        done within `timeout_s` is a TransferFailed (and its late group is discarded)."""
 
     @abstractmethod
     async def destroy_group(self, group_name: str) -> None: ...

@@ -2,20 +2,23 @@
 Mounted under /v1 on vLLM and at the root on SGLang."""
 from __future__ import annotations
 
-import hmac
+import json
 import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
-from ..errors import BadAdapter, LoRASyncError, Unauthorized
+from ..errors import BadAdapter, LoRASyncError, PayloadTooLarge
 from .service import AdapterService
 
 logger = logging.getLogger("lora_sync")
 # POST routes whose JSON body goes straight to the service method of the same job.
 JSON_ROUTES = {"/init_lora_update_group": "init_group",
                "/load_lora_adapter_from_distributed": "load_from_distributed",
-               "/destroy_lora_update_group": "destroy_group"}
+               "/destroy_lora_update_group": "destroy_group",
+               "/retire_lora_adapter": "retire_name"}
+GET_ROUTES = ("/lora_sync_info", "/lora_adapters")
 PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
                "application/octet-stream (see docs/protocol.md); pickled tensors are refused")
 
@@ -24,20 +27,22 @@ def _service(request: Request) -> AdapterService:
     return request.app.state.lora_sync
 
 
-def _authorize(request: Request, service: AdapterService) -> None:
-    key = service.settings.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise Unauthorized("missing or wrong API key for lora-sync admin routes")
+def own_paths(prefix: str) -> frozenset:
+    """Every path of ours (admission leaves them to the routes' own checks)."""
+    return frozenset(prefix + p for p in (*JSON_ROUTES, *GET_ROUTES,
+                                          "/load_lora_adapter_from_tensors"))
 
 
-async def _json(request: Request) -> dict:
+async def _json(request: Request, limit: int) -> dict:
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"JSON body above {limit} bytes (LORA_SYNC_MAX_REQUEST_MB)")
     try:
-        body = await request.json()
-    except Exception as e:
-        raise BadAdapter("body must be JSON", code="bad_request") from e
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadAdapter(f"body must be JSON ({type(e).__name__})", code="bad_request") from e
     if not isinstance(body, dict):
         raise BadAdapter("body must be a JSON object", code="bad_request")
     return body
@@ -49,10 +54,14 @@ def build_router(prefix: str = "") -> APIRouter:
     async def handle(request: Request, action):
         try:
             service = _service(request)
-            _authorize(request, service)
+            service.authorize(request.headers.get("authorization"))
             return JSONResponse(await action(service))
         except LoRASyncError as e:
             return JSONResponse(e.to_json(), status_code=e.status)
+        except ClientDisconnect:
+            err = BadAdapter("the client disconnected before the body was complete",
+                             code="client_disconnected")
+            return JSONResponse(err.to_json(), status_code=err.status)
         except Exception as e:  # a bug of ours or the engine's: say so, keep serving
             logger.exception("lora-sync route %s failed", request.url.path)
             err = LoRASyncError(f"{type(e).__name__}: {e}")
@@ -66,6 +75,8 @@ def build_router(prefix: str = "") -> APIRouter:
                 raise BadAdapter(f"Content-Type {ctype or 'none'!r} refused: {PICKLE_HINT}",
                                  code="bad_content_type", status=415)
             length = request.headers.get("content-length")
+            if length is not None and not (length.isascii() and length.isdigit()):
+                raise BadAdapter("Content-Length must be a decimal integer", code="bad_request")
             return await service.load_from_body(request.stream(),
                                                 int(length) if length else None)
         return await handle(request, act)
@@ -73,7 +84,8 @@ def build_router(prefix: str = "") -> APIRouter:
     def add_json_route(path: str, method: str):
         async def route(request: Request):
             async def act(service: AdapterService):
-                return await getattr(service, method)(await _json(request))
+                body = await _json(request, service.settings.max_request_bytes)
+                return await getattr(service, method)(body)
             return await handle(request, act)
         router.post(path)(route)
 

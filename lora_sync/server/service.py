@@ -2,36 +2,86 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
+import math
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 
 from .. import naming
 from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check_adapter
 from ..adapter import ModelSpec
-from ..collective import DEFAULT_BUCKET_BYTES
-from ..errors import BadAdapter, LoRASyncError, NotFound
-from ..staging import StagingArea, discard
-from ..wire import TensorSpec
+from ..errors import (BadAdapter, Forbidden, LoRASyncError, NotFound, PayloadTooLarge,
+                      TooBusy, Unauthorized)
+from ..staging import BodyLimits, StagingArea, discard
 from .bridge import EngineBridge
+from .requests import DistributedLoadRequest, InitGroupRequest, group_name_of, parse_config
+
+# How often a drained version asks the engine whether a request still uses it.
+DRAIN_POLL_S = 0.05
 
 
 @dataclass
 class Settings:
+    """Operator settings (environment variables, read once at start-up; see README)."""
     max_body_bytes: int = 2 * 1024 ** 3
     # Newest versions kept servable per name. Two lets rollouts that started on the previous
     # version finish on it while the new one takes the alias (one-step off-policy).
     keep_versions: int = 2
     api_key: str | None = None
+    engine_has_key: bool = False     # the engine guards generation with its own key
+    generation_keys: tuple = ()      # the engine's keys (for routes its middleware skips)
+    max_names: int = 64
+    max_staging_bytes: int = 4 * 1024 ** 3
+    body_idle_s: float = 10.0
+    min_body_rate: float = 1 << 20   # bytes/s
+    max_request_bytes: int = 32 * 1024 ** 2
+    allowed_trainers: tuple = ("127.0.0.0/8", "::1/128")
+    max_groups: int = 8
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        keep = os.environ.get("LORA_SYNC_KEEP_VERSIONS")
+    def from_env(cls, engine_has_key: bool = False,
+                 engine_admin_key: str | None = None) -> "Settings":
+        """`engine_admin_key`: the engine's own admin key, which is then ours too (SGLang's
+        --admin-api-key; it must equal LORA_SYNC_API_KEY when both are set)."""
+        def num(var, default, kind=float, lo=0):
+            raw = os.environ.get(var)
+            try:
+                value = kind(raw) if raw not in (None, "") else default
+            except ValueError:
+                value = None
+            if value is None or not math.isfinite(value) or value < lo:
+                raise RuntimeError(f"lora-sync setting {var}={raw!r} must be a number >= {lo}")
+            return value
+        mb = 2 ** 20
+        trainers = os.environ.get("LORA_SYNC_ALLOWED_TRAINERS")
+        allowed = tuple(t.strip() for t in trainers.split(",") if t.strip()) if trainers \
+            else cls.allowed_trainers
+        for net in allowed:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise RuntimeError(f"LORA_SYNC_ALLOWED_TRAINERS entry {net!r} is not an "
+                                   "address or network") from None
         return cls(
-            max_body_bytes=int(float(os.environ.get("LORA_SYNC_MAX_BODY_MB", 2048)) * 2 ** 20),
-            keep_versions=max(1, int(keep)) if keep else cls.keep_versions,
-            api_key=os.environ.get("LORA_SYNC_API_KEY") or None)
+            max_body_bytes=int(num("LORA_SYNC_MAX_BODY_MB", 2048) * mb),
+            keep_versions=int(num("LORA_SYNC_KEEP_VERSIONS", cls.keep_versions, int, 1)),
+            api_key=os.environ.get("LORA_SYNC_API_KEY") or engine_admin_key,
+            engine_has_key=engine_has_key,
+            max_names=int(num("LORA_SYNC_MAX_NAMES", cls.max_names, int, 1)),
+            max_staging_bytes=int(num("LORA_SYNC_MAX_STAGING_MB", 4096) * mb),
+            body_idle_s=num("LORA_SYNC_BODY_IDLE_S", cls.body_idle_s),
+            min_body_rate=num("LORA_SYNC_MIN_BODY_MBPS", 1.0) * mb,
+            max_request_bytes=int(num("LORA_SYNC_MAX_REQUEST_MB", 32) * mb),
+            allowed_trainers=allowed)
+
+    @property
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(self.max_body_bytes, self.max_staging_bytes, self.body_idle_s,
+                          self.min_body_rate)
 
 
 @dataclass
@@ -50,20 +100,6 @@ class AdapterRecord:
     staged_path: str | None = field(default=None, repr=False)  # the body workers map
 
 
-def _parse_config(raw: str | None) -> dict:
-    """PEFT's adapter_config.json text, as sent in the metadata or the broadcast request."""
-    if raw is None:
-        raise BadAdapter(f"safetensors __metadata__ has no {META_CONFIG!r} (the JSON text of "
-                         "PEFT's adapter_config.json)", code="missing_metadata")
-    try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise BadAdapter(f"{META_CONFIG} is not valid JSON: {e}", code="bad_config") from e
-    if not isinstance(cfg, dict):
-        raise BadAdapter(f"{META_CONFIG} must be a JSON object", code="bad_config")
-    return cfg
-
-
 class AdapterService:
     def __init__(self, bridge: EngineBridge, settings: Settings | None = None):
         self.bridge = bridge
@@ -74,31 +110,71 @@ class AdapterService:
         self._spec: ModelSpec | None = None
         self.group_timeouts: dict[str, float] = {}
         self.staging = StagingArea()
-        self._freeing: set[asyncio.Task] = set()
+        self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
+        self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
 
     async def model_spec(self) -> ModelSpec:
         if self._spec is None:
             self._spec = await self.bridge.model_spec()
         return self._spec
 
+    # -- access ------------------------------------------------------------------------
+    def authorize(self, authorization: str | None) -> None:
+        """Admin routes (ours, and the engine's adapter routes): the lora-sync key when set;
+        closed when only the engine has a key (its generation key never opens them)."""
+        key = self.settings.api_key
+        if key is None:
+            if self.settings.engine_has_key:
+                raise Forbidden("lora-sync admin routes are closed: the engine has an API key "
+                                "but LORA_SYNC_API_KEY is not set", code="admin_closed")
+            return
+        if not hmac.compare_digest((authorization or "").encode(), f"Bearer {key}".encode()):
+            raise Unauthorized("missing or wrong API key for lora-sync admin routes")
+
+    def authorize_generation(self, authorization: str | None) -> None:
+        """A request on our adapters through an engine route the engine's key does not
+        guard (vLLM's /invocations): it needs one of the engine's keys, or ours."""
+        keys = [k for k in (*self.settings.generation_keys, self.settings.api_key) if k]
+        given = (authorization or "").encode()
+        if self.settings.generation_keys and \
+                not any(hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys):
+            raise Unauthorized("this route is not guarded by the engine's API key; requests "
+                               "on lora-sync adapters need it", code="unauthorized")
+
+    def authorize_native(self, authorization: str | None, name) -> None:
+        """The engine's own adapter routes: guarded like ours, and never on our names."""
+        self.authorize(authorization)
+        if isinstance(name, str) and self.owns(name):
+            raise Forbidden(f"{name[:140]!r} is managed by lora-sync: push, retire and list it "
+                            "with lora-sync's routes", code="reserved_name")
+
+    def owns(self, name: str) -> bool:
+        """Our names: an alias, any `-v<N>` name (lora-sync's namespace, so nobody can squat
+        a version a trainer will push next), and anything we registered."""
+        base, version = naming.split_versioned(name.rsplit(":", 1)[-1])
+        return version is not None or base in self._names() or name in self.records
+
+    def _names(self) -> set[str]:
+        return self.book.names() | {r.name for r in self.records.values()}
+
     # -- transports ----------------------------------------------------------------
     async def load_from_body(self, chunks, content_length: int | None) -> dict:
         t0 = time.perf_counter()
         settle_ms = await self._settle()
         t_recv = time.perf_counter()
-        staged = await self.staging.stage(chunks, self.settings.max_body_bytes, content_length)
+        staged = await self.staging.stage(chunks, self.settings.body_limits, content_length)
         kept = False
         try:
             meta = staged.header.metadata
             name = naming.check_name(meta.get(META_NAME))
             version = naming.parse_version(meta.get(META_VERSION))
-            cfg = check_adapter(staged.header.specs, _parse_config(meta.get(META_CONFIG)),
+            checksum = meta.get(META_CHECKSUM)
+            cfg = check_adapter(staged.header.specs, parse_config(meta.get(META_CONFIG)),
                                 await self.model_spec())
             received_ms = (time.perf_counter() - t_recv) * 1e3
 
             async def stage(adapter_id):
-                return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg,
-                                                        meta.get(META_CHECKSUM))
+                return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg, checksum)
             nbytes = staged.nbytes - staged.header.data_start
             reply = await self._install(name, version, cfg, nbytes, "tensors", stage, t0,
                                         staged.path)
@@ -111,31 +187,20 @@ class AdapterService:
 
     async def load_from_distributed(self, body: dict) -> dict:
         t0 = time.perf_counter()
-        if not isinstance(body, dict):
-            raise BadAdapter("body must be a JSON object", code="bad_request")
-        name = naming.check_name(body.get("lora_name"))
-        version = naming.parse_version(body.get("version"))
-        cfg = body.get("adapter_config")
-        if isinstance(cfg, str):
-            cfg = _parse_config(cfg)
-        raw_specs = body.get("tensors")
-        if not isinstance(raw_specs, list):
-            raise BadAdapter("'tensors' must be a list of {name, dtype, shape}",
-                             code="bad_metadata")
-        specs = [TensorSpec.from_json(s) for s in raw_specs]
-        if len({s.name for s in specs}) != len(specs):
-            raise BadAdapter("'tensors' lists a name twice", code="bad_metadata")
-        cfg = check_adapter(specs, cfg if cfg is not None else {}, await self.model_spec())
-        group = body.get("group_name") or "default"
-        bucket = int(body.get("bucket_bytes") or DEFAULT_BUCKET_BYTES)
-        nbytes = sum(s.nbytes for s in specs)
+        req = DistributedLoadRequest.from_json(body)
+        cfg = check_adapter(req.specs, req.config, await self.model_spec())
+        if req.nbytes > self.settings.max_body_bytes:  # what the workers would allocate
+            raise PayloadTooLarge(f"the adapter is {req.nbytes} bytes, above the limit of "
+                                  f"{self.settings.max_body_bytes} (LORA_SYNC_MAX_BODY_MB)")
         settle_ms = await self._settle()
 
         async def receive(adapter_id):
-            return await self.bridge.receive(adapter_id, group, [s.to_json() for s in specs], cfg,
-                                             bucket, body.get("checksum"),
-                                             self.group_timeouts.get(group, 120.0) + 30)
-        reply = await self._install(name, version, cfg, nbytes, "broadcast", receive, t0)
+            return await self.bridge.receive(
+                adapter_id, req.group_name, [s.to_json() for s in req.specs], cfg,
+                req.bucket_bytes, req.checksum,
+                self.group_timeouts.get(req.group_name, 120.0) + 30)
+        reply = await self._install(req.lora_name, req.version, cfg, req.nbytes, "broadcast",
+                                    receive, t0)
         reply["timings_ms"]["settle"] = settle_ms
         return reply
 
@@ -143,11 +208,15 @@ class AdapterService:
                        staged_path: str | None = None) -> dict:
         t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
+            if name not in self._names() and len(self._names()) >= self.settings.max_names:
+                raise TooBusy(f"this server already holds {self.settings.max_names} adapter "
+                              "names (LORA_SYNC_MAX_NAMES); retire one with "
+                              "retire_lora_adapter first", code="too_many_names")
             version = self.book.reserve(name, version_req)
-            served = naming.versioned(name, version)
             adapter_id = self.bridge.new_adapter_id()
             t1 = time.perf_counter()
             try:
+                served = naming.versioned(name, version)
                 worker_ms = max(r.get("ms", 0.0) for r in await stage(adapter_id))
                 t2 = time.perf_counter()
                 handle = await self.bridge.activate(served, adapter_id)
@@ -156,9 +225,9 @@ class AdapterService:
                 await asyncio.shield(self._forget([adapter_id]))
                 raise
             t3 = time.perf_counter()
-            # Publish the version and move the alias in one step: a request sees the old
-            # or the new version, never a gap.
-            self.bridge.publish([served, name], handle)
+            # The engine's table gets the version only; the alias lives here and admission
+            # resolves it, so no engine route can use it uncounted.
+            self.bridge.publish([served], handle)
             retired = self.book.commit(name, version, self.settings.keep_versions)
             rec = AdapterRecord(name, version, served, adapter_id, nbytes, int(cfg["r"]),
                                 transport, (t3 - t0) * 1e3, staged_path=staged_path)
@@ -170,11 +239,23 @@ class AdapterService:
                                "handoff": (t2 - t1) * 1e3 - worker_ms,
                                "register": (t3 - t2) * 1e3}}
 
+    async def retire_name(self, body: dict) -> dict:
+        """Takes every version of a name out of service at once (the name no longer counts
+        against LORA_SYNC_MAX_NAMES); running requests finish on their version."""
+        name = naming.check_name(body.get("lora_name"))
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            versions = self.book.forget(name)
+            if not versions:
+                raise NotFound(f"no adapter named {name!r}", code="not_found")
+            self._retire(name, versions)
+        draining = sorted(r.version for r in self.records.values() if r.name == name)
+        return {"lora_name": name, "retired": versions, "draining": draining}
+
     # -- admission (see admission.py) -------------------------------------------------
-    def admit(self, requested: str):
+    def admit(self, requested: str) -> AdapterRecord | None:
         """The record a generation request naming `requested` will use (counted in flight),
-        an error reply for a retired/unknown version of one of our names, or None when the
-        name is not ours."""
+        or None when the name is not ours. A retired or unknown version of one of our names
+        raises NotFound."""
         name, version = naming.split_versioned(requested)
         if version is None:
             latest = self.book.latest(requested)
@@ -182,14 +263,13 @@ class AdapterService:
                 return None
             rec = self.records[naming.versioned(requested, latest)]
         else:
-            if name not in self.book.versions:
+            if name not in self._names():
                 return None
             rec = self.records.get(requested)
             if rec is None or rec.retired:
-                available = [naming.versioned(name, v) for v in self.book.versions[name]]
-                return NotFound(f"{requested} is not servable (retired or never loaded); "
-                                f"versions available: {available}",
-                                code="version_retired").to_json()
+                available = [naming.versioned(name, v) for v in self.book.versions.get(name, [])]
+                raise NotFound(f"{requested} is not servable (retired or never loaded); "
+                               f"versions available: {available}", code="version_retired")
         rec.inflight += 1
         return rec
 
@@ -202,27 +282,41 @@ class AdapterService:
             self._drop(rec)
 
     def _drop(self, rec: AdapterRecord) -> None:
-        """Unlists a version now; frees its engine copies in the background (the next push
-        waits for that in `_settle`, so it can reuse the memory)."""
-        if self.records.pop(rec.served_name, None) is None:
-            return  # already dropped
+        """Unlists a version now; frees its engine copies in the background, once the engine
+        itself has no request on it."""
+        if self.records.get(rec.served_name) is not rec or rec.served_name in self._draining:
+            return  # already going
         task = asyncio.get_running_loop().create_task(self._free(rec))
-        self._freeing.add(task)
-        task.add_done_callback(self._freeing.discard)
+        self._draining[rec.served_name] = task
+        task.add_done_callback(lambda _: self._draining.pop(rec.served_name, None))
 
     async def _free(self, rec: AdapterRecord) -> None:
         await self.bridge.unpublish([rec.served_name])
-        dropped = await self._forget([rec.adapter_id])
-        if rec.staged_path is not None:
-            # Reuse the file only once no worker serves from it; else just unlink it.
-            (self.staging.release if dropped else discard)(rec.staged_path)
+        # Our count says no admitted request is left. The engine is asked too: a request
+        # that reached it by a path admission did not count must finish before the adapter
+        # goes, or the engine would fail on a missing adapter.
+        while await self.bridge.in_use(rec.adapter_id, rec.served_name):
+            await asyncio.sleep(DRAIN_POLL_S)
+        self.records.pop(rec.served_name, None)
+        if rec.name not in self._names():
+            self.book.floors.pop(rec.name, None)  # numbering may start again at 1
+        task = asyncio.current_task()
+        self._freeing.add(task)
+        try:
+            dropped = await self._forget([rec.adapter_id])
+            if rec.staged_path is not None:
+                # Reuse the file only once no worker serves from it; else just unlink it.
+                (self.staging.release if dropped else discard)(rec.staged_path)
+        finally:
+            self._freeing.discard(task)
 
     async def _settle(self) -> float:
-        """Waits until dropped versions are freed (overlaps the trainer's step in practice);
-        returns the milliseconds waited."""
+        """Waits until dropped versions are freed (overlaps the trainer's step in practice),
+        so the push can reuse their memory; returns the milliseconds waited. Versions still
+        busy in the engine are not waited for."""
         t0 = time.perf_counter()
         if self._freeing:
-            await asyncio.gather(*self._freeing, return_exceptions=True)
+            await asyncio.gather(*list(self._freeing), return_exceptions=True)
         return (time.perf_counter() - t0) * 1e3
 
     async def _forget(self, adapter_ids: list[int]) -> bool:
@@ -244,32 +338,55 @@ class AdapterService:
 
     # -- groups ----------------------------------------------------------------------
     async def init_group(self, body: dict) -> dict:
-        try:
-            host, port = str(body["master_address"]), int(body["master_port"])
-            rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadAdapter("init_lora_update_group needs master_address, master_port, "
-                             "rank_offset and world_size", code="bad_request") from e
-        backend = body.get("backend", "gloo")
-        if backend not in ("gloo", "nccl"):
-            raise BadAdapter(f"backend must be 'gloo' or 'nccl', got {backend!r}",
-                             code="bad_request")
-        workers = len(await self.bridge.worker_status())
-        if rank_offset < 1 or rank_offset + workers > world_size:
-            raise BadAdapter(f"ranks {rank_offset}..{rank_offset + workers - 1} of this "
-                             f"server's {workers} worker(s) do not fit world_size {world_size} "
-                             "(rank 0 is the trainer)", code="bad_request")
-        group = body.get("group_name") or "default"
+        req = InitGroupRequest.from_json(body)
+        address = await self._allowed_trainer(req.master_address)
+        status = await self.bridge.worker_status()
+        workers = len(status)
+        if req.rank_offset + workers > req.world_size:
+            raise BadAdapter(f"ranks {req.rank_offset}..{req.rank_offset + workers - 1} of this "
+                             f"server's {workers} worker(s) do not fit world_size "
+                             f"{req.world_size} (rank 0 is the trainer)", code="bad_request")
+        if len(status[0].get("groups", [])) >= self.settings.max_groups:
+            raise TooBusy(f"this server already has {self.settings.max_groups} update groups "
+                          "(or group set-ups still timing out); destroy one first",
+                          code="too_many_groups")
         t0 = time.perf_counter()
-        timeout_s = float(body.get("timeout_s") or 120)
-        await self.bridge.init_group(group, host, port, rank_offset, world_size, backend,
-                                     timeout_s)
-        self.group_timeouts[group] = timeout_s
-        return {"group_name": group, "workers": workers, "ms": (time.perf_counter() - t0) * 1e3}
+        try:
+            await self.bridge.init_group(req.group_name, address, req.master_port,
+                                         req.rank_offset, req.world_size, req.backend,
+                                         req.timeout_s)
+        except LoRASyncError as e:
+            if e.code != "group_exists":  # a half-made group (some workers joined) goes
+                await asyncio.shield(self.bridge.destroy_group(req.group_name))
+            raise
+        self.group_timeouts[req.group_name] = req.timeout_s
+        return {"group_name": req.group_name, "workers": workers,
+                "ms": (time.perf_counter() - t0) * 1e3}
+
+    async def _allowed_trainer(self, host: str) -> str:
+        """The address workers will dial for `host`, if LORA_SYNC_ALLOWED_TRAINERS lets
+        them: every address the name resolves to must be allowed (no DNS games)."""
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), 5)
+        except (OSError, asyncio.TimeoutError, UnicodeError) as e:
+            raise BadAdapter(f"master_address {host!r} does not resolve ({e})",
+                             code="bad_request") from None
+        addresses = {info[4][0] for info in infos}
+        nets = [ipaddress.ip_network(n, strict=False) for n in self.settings.allowed_trainers]
+        refused = sorted(a for a in addresses
+                         if not any(ipaddress.ip_address(a) in n for n in nets))
+        if refused or not addresses:
+            raise Forbidden(f"master_address {host!r} ({', '.join(refused)}) is not an allowed "
+                            "trainer address; the operator lists them in "
+                            f"LORA_SYNC_ALLOWED_TRAINERS (now {list(self.settings.allowed_trainers)})",
+                            code="trainer_not_allowed")
+        return sorted(addresses)[0]
 
     async def destroy_group(self, body: dict) -> dict:
-        group = (body or {}).get("group_name") or "default"
+        group = group_name_of(body)
         await self.bridge.destroy_group(group)
+        self.group_timeouts.pop(group, None)
         return {"group_name": group, "destroyed": True}
 
     async def info(self) -> dict:
@@ -280,16 +397,24 @@ class AdapterService:
         return {"workers": len(status), "worker_status": status, "max_lora_rank": spec.max_rank,
                 "linear_modules": {k: list(v) for k, v in spec.linear.items()},
                 "keep_versions": self.settings.keep_versions,
-                "max_body_bytes": self.settings.max_body_bytes}
+                "max_body_bytes": self.settings.max_body_bytes,
+                "max_names": self.settings.max_names}
 
     def list_adapters(self) -> dict:
+        """Per name: its servable versions (and retired ones requests still run on), the
+        alias target, requests in flight, and the versions still being freed."""
         out = {}
         for rec in self.records.values():
             entry = out.setdefault(rec.name, {"name": rec.name, "alias_target": None,
-                                              "versions": []})
-            entry["versions"].append(asdict(rec))
-            entry["alias_target"] = naming.versioned(rec.name, self.book.latest(rec.name))
-            entry["inflight"] = entry.get("inflight", 0) + rec.inflight
+                                              "versions": [], "inflight": 0, "draining": []})
+            if rec.retired:
+                entry["draining"].append(rec.served_name)
+            if not rec.retired or rec.inflight:
+                entry["versions"].append({k: v for k, v in asdict(rec).items()
+                                          if k != "staged_path"})  # internals stay inside
+            latest = self.book.latest(rec.name)
+            entry["alias_target"] = naming.versioned(rec.name, latest) if latest else None
+            entry["inflight"] += rec.inflight
         return {"adapters": list(out.values()), "keep_versions": self.settings.keep_versions}
 
 

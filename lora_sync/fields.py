@@ -1,0 +1,42 @@
+"""Typed reading of client JSON: every field is checked for type and range, and a bad one is
+a 400 that names it (never a TypeError deep inside the server, which would be a 500)."""
+from __future__ import annotations
+
+import math
+
+from .errors import BadAdapter
+
+REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+          list: "a list", dict: "a JSON object"}
+
+
+def field(body: dict, key: str, kind: type, default=REQUIRED, *, lo=None, hi=None,
+          max_len: int | None = None, where: str = "request"):
+    """`body[key]` as `kind` within [lo, hi] (numbers) or at most `max_len` long (strings,
+    lists); `default` when absent or null."""
+    value = body.get(key)
+    if value is None:
+        if default is REQUIRED:
+            raise BadAdapter(f"{where} field {key!r} is required ({_KINDS[kind]})",
+                             code="bad_request")
+        return default
+    return check(value, kind, f"{where} field {key!r}", lo=lo, hi=hi, max_len=max_len)
+
+
+def check(value, kind: type, what: str, *, lo=None, hi=None, max_len: int | None = None):
+    ok = isinstance(value, kind) and not isinstance(value, bool) if kind in (int, float) \
+        else isinstance(value, kind)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value) if abs(value) < 2 ** 1000 else math.inf
+    if not ok:
+        raise BadAdapter(f"{what} must be {_KINDS[kind]}, got {type(value).__name__}",
+                         code="bad_request")
+    if kind is float and not math.isfinite(value):
+        raise BadAdapter(f"{what} must be a finite number", code="bad_request")
+    if kind in (int, float) and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+        shown = value if kind is float or value.bit_length() < 64 else "<huge>"
+        raise BadAdapter(f"{what} is {shown}, must be between {lo} and {hi}", code="bad_request")
+    if max_len is not None and kind in (str, list) and len(value) > max_len:
+        raise BadAdapter(f"{what} is longer than {max_len}", code="bad_request")
+    return value
