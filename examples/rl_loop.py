@@ -99,10 +99,10 @@ class Syncer:
             self.version += 1
             path = self.scratch / f"v{self.version}"
             policy.save_pretrained(path)
-            served = f"{self.cfg.name}-disk-v{self.version}"
+            served = f"{self.cfg.name}-disk{self.version}"  # -v<N> names are lora-sync's
             self.client.load_from_disk(str(path), served)
             if self.version > 1:  # the previous version's rollouts are done: unload it
-                self.client.unload_from_disk(f"{self.cfg.name}-disk-v{self.version - 1}")
+                self.client.unload_from_disk(f"{self.cfg.name}-disk{self.version - 1}")
         else:
             transport = "broadcast" if self.cfg.transport == "broadcast" else "tensors"
             [res] = self.client.push(adapter, self.cfg.name, transport=transport)

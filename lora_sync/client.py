@@ -128,6 +128,13 @@ class LoRASyncClient:
         return self._each(lambda s: http.call("GET", s.route("lora_sync_info"),
                                               headers=self.headers, timeout=self.timeout)[0])
 
+    def retire(self, name: str) -> list[dict]:
+        """Takes every version of `name` out of service on every server (running requests
+        finish on theirs); the name no longer counts against the server's name limit."""
+        return self._each(lambda s: http.call("POST", s.route("retire_lora_adapter"),
+                                              json_body={"lora_name": name},
+                                              headers=self.headers, timeout=self.timeout)[0])
+
     def adapters(self) -> list[dict]:
         return self._each(lambda s: http.call("GET", s.route("lora_adapters"),
                                               headers=self.headers, timeout=self.timeout)[0])

@@ -32,6 +32,10 @@ def _build_tokenizer(out: Path, vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    # The chat-shaped routes (/v1/chat/completions, /v1/responses, /v1/messages) need one.
+    fast.chat_template = ("{% for m in messages %}{{ m['content'] if m['content'] is string "
+                          "else m['content'] | map(attribute='text') | join(' ') }} "
+                          "{% endfor %}")
     fast.save_pretrained(out)
     return fast
 

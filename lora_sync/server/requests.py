@@ -101,6 +101,6 @@ class DistributedLoadRequest:
             version=naming.parse_version(body.get("version")),
             config=config if config is not None else {}, specs=specs,
             group_name=group_name_of(body),
-            bucket_bytes=field(body, "bucket_bytes", int, DEFAULT_BUCKET_BYTES, lo=1 << 16,
+            bucket_bytes=field(body, "bucket_bytes", int, DEFAULT_BUCKET_BYTES, lo=1 << 12,
                                hi=1 << 30, where=where),
             checksum=checksum)

@@ -1,0 +1,459 @@
+"""The security review's attacks, replayed against real servers (docs/hostile_inputs.md).
+
+Each case that killed a server or poisoned other tenants' output is a regression test here,
+on every engine where the route exists. After each attack the server must be alive and the
+previous version must answer exactly as before."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from lora_sync import LoRASyncClient, NotFound, http, wire
+
+from .helpers import AUTH, PROMPT, body_of, greedy, post_body
+
+KEEP = 3  # the session servers' LORA_SYNC_KEEP_VERSIONS
+
+
+def versions_of(client, name):
+    return [v["version"] for a in client.adapters()[0]["adapters"] if a["name"] == name
+            for v in a["versions"] if not v["retired"]]
+
+
+def held_versions(client, name):
+    """Every version the server still holds, retired ones being drained included."""
+    return sorted({v["version"] for a in client.adapters()[0]["adapters"] if a["name"] == name
+                   for v in a["versions"]} |
+                  {int(s.rsplit("-v", 1)[1]) for a in client.adapters()[0]["adapters"]
+                   if a["name"] == name for s in a["draining"]})
+
+
+class Background:
+    """A request on its own thread, bounded in time; remembers how it ended."""
+
+    def __init__(self, method, url, body=None, headers=None, timeout=240):
+        self.result = {}
+
+        def run():
+            try:
+                status, reply, hdrs = http.request(method, url, json_body=body,
+                                                   headers=headers, timeout=timeout)
+                self.result.update(status=status, reply=reply, headers=hdrs)
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                self.result.update(error=repr(e))
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout=300):
+        self.thread.join(timeout)
+        return self.result
+
+
+def wait_inflight(client, name, n, seconds=60):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        entry = [a for a in client.adapters()[0]["adapters"] if a["name"] == name]
+        if entry and entry[0]["inflight"] >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests on {name} were never admitted")
+
+
+LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0}
+
+
+def shapes(engine: str, name: str, url: str):
+    """Every request shape that named an adapter outside admission in the review: (label,
+    method, url, body, headers). Each asks for a long generation."""
+    if engine == "vllm":
+        return [
+            ("/v1/responses", "POST", f"{url}/v1/responses",
+             {"model": name, "input": PROMPT, "max_output_tokens": 300,
+              "temperature": 1.0, "ignore_eos": True}, None),
+            ("/v1/messages", "POST", f"{url}/v1/messages",
+             {"model": name, "max_tokens": 300, "ignore_eos": True,
+              "messages": [{"role": "user", "content": PROMPT}]}, None),
+            ("/invocations header, no key", "POST", f"{url}/invocations",
+             {"prompt": PROMPT, **LONG, "stream": True},
+             {"X-Amzn-SageMaker-Adapter-Identifier": name}),
+        ]
+    sampling = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0}
+    return [
+        ("PUT /generate", "PUT", f"{url}/generate",
+         {"text": PROMPT, "lora_path": name, "sampling_params": sampling}, None),
+        ("/generate lora_path list", "POST", f"{url}/generate",
+         {"text": [PROMPT, PROMPT], "lora_path": [name, name], "sampling_params": sampling}, None),
+        ("/v1/completions model base + lora_path", "POST", f"{url}/v1/completions",
+         {"model": "base", "lora_path": name, "prompt": PROMPT, **LONG}, None),
+        ("/invocations base:name", "POST", f"{url}/invocations",
+         {"model": f"base:{name}", "messages": [{"role": "user", "content": PROMPT}], **LONG},
+         None),
+        ("/vertex_generate parameters.lora_path", "POST", f"{url}/vertex_generate",
+         {"instances": [{"text": PROMPT}],
+          "parameters": {"lora_path": name, "sampling_params": sampling}}, None),
+    ]
+
+
+def test_every_route_that_names_an_adapter_is_admitted(client, server, make_adapter):
+    """Review items 1 and 15: requests outside admission, then pushes that retire their
+    version, killed EngineCore / the scheduler. Now each is admitted and counted: the
+    version waits for it, the request finishes on it, the server lives."""
+    name = f"adm-{server.engine}"
+    client.push_tensors(make_adapter(seed=601), name)
+    cases = shapes(server.engine, name, server.url)
+    running = [(label, Background(method, url, body, headers))
+               for label, method, url, body, headers in cases]
+    wait_inflight(client, name, len(cases) + (1 if server.engine == "sglang" else 0))
+    for i in range(KEEP):  # v1 leaves the window while every request still runs on it
+        client.push_tensors(make_adapter(seed=602 + i), name)
+    assert 1 in held_versions(client, name), "v1 was freed under running requests"
+    for label, req in running:
+        result = req.join()
+        assert result.get("status") == 200, (label, result, server.log_tail(30))
+        assert result["headers"].get("x-lora-version", "").split(",")[0] == "1", label
+    assert server.alive(), server.log_tail()
+    deadline = time.time() + 30
+    while 1 in held_versions(client, name) and time.time() < deadline:
+        time.sleep(0.1)
+    assert held_versions(client, name) == [2, 3, 4]
+    assert greedy(client, name) == greedy(client, f"{name}-v4")
+
+
+def test_internal_lora_id_is_refused(client, server):
+    """Review item 14: one unauthenticated /generate with an unknown lora_id killed SGLang."""
+    for route, body in (("/generate", {"text": PROMPT, "lora_id": "lora-sync-999999"}),
+                        ("/v1/completions", {"model": "base", "prompt": PROMPT,
+                                             "lora_id": "lora-sync-1"}),
+                        ("/vertex_generate", {"instances": [{"text": PROMPT}],
+                                              "parameters": {"lora_id": "lora-sync-1"}})):
+        status, reply, _ = http.request("POST", server.url + route, json_body=body)
+        assert status == 400 and "lora_id" in reply["error"]["message"], (route, reply)
+    assert server.alive()
+
+
+def test_deep_and_duplicate_json_is_a_400(client, server):
+    """Review item 9: a 100,000-level body got a 500 from admission."""
+    deep = b'{"model": "base", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    dup = b'{"model": "base", "model": "x", "prompt": "a"}'
+    for body in (deep, dup):
+        status, reply = post_body(f"{server.url}/v1/completions", body, "application/json")
+        assert status == 400, reply
+    assert server.alive()
+
+
+def _native(engine):
+    if engine == "vllm":
+        return [("POST", "/v1/load_lora_adapter", {"lora_name": "{v}", "lora_path": "/etc"}),
+                ("POST", "/v1/unload_lora_adapter", {"lora_name": "{v}"}),
+                ("POST", "/adapters", {"name": "{v}", "src": "/etc"}),
+                ("DELETE", "/adapters/{v}", None)]
+    return [("POST", "/load_lora_adapter", {"lora_name": "{v}", "lora_path": "/etc"}),
+            ("POST", "/unload_lora_adapter", {"lora_name": "{v}"})]
+
+
+def test_native_adapter_routes_never_touch_our_names(client, server, make_adapter):
+    """Review items 6 and 17: the engines' own load/unload routes removed our versions and
+    squatted the next one, without a key."""
+    name = f"nat-{server.engine}"
+    client.push_tensors(make_adapter(seed=611), name)
+    before = greedy(client, name)
+    for method, path, body in _native(server.engine):
+        for target in (f"{name}-v1", name, f"{name}-v2", "other-v9"):
+            url = server.url + path.replace("{v}", target)
+            payload = json.loads(json.dumps(body).replace("{v}", target)) if body else None
+            status, reply, _ = http.request(method, url, json_body=payload)  # no key
+            assert status == 401, (method, path, target, status, reply)
+            status, reply, _ = http.request(method, url, json_body=payload, headers=AUTH)
+            assert status == 403 and reply["error"]["code"] == "reserved_name", \
+                (method, path, target, status, reply)
+    assert versions_of(client, name) == [1]
+    assert greedy(client, name) == before
+    assert client.push_tensors(make_adapter(seed=612), name)[0].version == 2
+    assert server.alive()
+
+
+@pytest.mark.parametrize("case,config", [
+    ("alpha NaN", '{"r": 8, "lora_alpha": NaN, "target_modules": "all-linear"}'),
+    ("alpha Infinity", '{"r": 8, "lora_alpha": Infinity, "target_modules": "all-linear"}'),
+    ("alpha 1e38", '{"r": 8, "lora_alpha": 1e38, "target_modules": "all-linear"}'),
+    ("alpha string", '{"r": 8, "lora_alpha": "16", "target_modules": "all-linear"}'),
+    ("r 8.5", '{"r": 8.5, "lora_alpha": 16, "target_modules": "all-linear"}'),
+    ("r string", '{"r": "8", "lora_alpha": 16, "target_modules": "all-linear"}'),
+    ("r 1e400", '{"r": 1e400, "lora_alpha": 16, "target_modules": "all-linear"}'),
+    ("r true", '{"r": true, "lora_alpha": 16, "target_modules": "all-linear"}'),
+    ("dropout NaN", '{"r": 8, "lora_alpha": 16, "lora_dropout": NaN, "target_modules": "all-linear"}'),
+    ("bias all", '{"r": 8, "lora_alpha": 16, "bias": "all", "target_modules": "all-linear"}'),
+    ("rank_pattern", '{"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 4}, '
+                     '"target_modules": "all-linear"}'),
+    ("deep config", '{"r": 8, "lora_alpha": 16, "x": ' + "[" * 5000 + "]" * 5000 + "}"),
+])
+def test_config_poisoning_is_refused(client, server, make_adapter, case, config):
+    """Review items 2 and 19: finite weights with lora_alpha NaN/Inf/1e38 were accepted and
+    turned other adapters' and the base model's output to garbage."""
+    name = f"tenant-{server.engine}"
+    if not versions_of(client, name):
+        client.push_tensors(make_adapter(seed=621), name)
+    before = (greedy(client, name), greedy(client, "base"))
+    body = body_of(make_adapter(seed=622), name="poison", config=config)
+    status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"), body)
+    assert 400 <= status < 500, (case, status, reply)
+    assert (greedy(client, name), greedy(client, "base")) == before, case
+    assert not versions_of(client, "poison")
+    assert server.alive()
+
+
+def _rank_mismatch_bodies(adapter):
+    t = adapter.tensors
+    zero = {k: (v[:0] if "lora_A" in k else v[:, :0]) for k, v in t.items()}
+    half = {k: (v[:4] if "lora_A" in k else v[:, :4]) for k, v in t.items()}
+    doubled = {**t, **{k.replace("base_model.model.", ""): v + 1 for k, v in t.items()}}
+    return [("rank-0 tensors with r=8", zero), ("rank-4 tensors with r=8", half),
+            ("every module twice under two names", doubled)]
+
+
+def test_tensors_must_match_r_and_name_each_module_once(client, server, make_adapter):
+    """Review items 2, 10 and 16: rank-0 tensors with r=8 killed SGLang at the first request;
+    a body holding every module twice was accepted with half of it ignored."""
+    name = f"shape-{server.engine}"
+    client.push_tensors(make_adapter(seed=631), name)
+    before = greedy(client, name)
+    adapter = make_adapter(seed=632)
+    for case, tensors in _rank_mismatch_bodies(adapter):
+        status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
+                                  body_of(adapter, name=name, tensors=tensors))
+        assert status == 400, (case, status, reply)
+        assert greedy(client, name) == before, case
+    assert versions_of(client, name) == [1] and server.alive()
+
+
+@pytest.mark.parametrize("name", ["nl\n", "a" * 128 + "\n", "ünï", "a" * 129, ""])
+def test_names_are_ascii_and_whole(client, make_adapter, name):
+    """Review item 7: 'nl\\n' was accepted; requests on it then lost their connection."""
+    status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
+                              body_of(make_adapter(seed=641), name=name))
+    assert status == 400 and reply["error"]["code"] == "bad_name", reply
+
+
+@pytest.mark.parametrize("version", ["1_0", "\u0663", " 7 ", "+4", "9" * 4300, "0",
+                                     str(2 ** 63), "-1", "1e3"])
+def test_versions_are_ascii_digits_below_2_63(client, make_adapter, version):
+    """Review item 8: '1_0' became 10; a 4,300-digit version leaked its reservation and every
+    later push of the name failed with a 500."""
+    name = f"ver-{client.servers[0].engine}"
+    meta = make_adapter(seed=651).metadata(name)
+    meta["version"] = version
+    status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
+                              wire.encode_bytes(make_adapter(seed=651).tensors, meta))
+    assert status == 400 and reply["error"]["code"] == "bad_version", reply
+    assert client.push_tensors(make_adapter(seed=652), name)[0].version >= 1
+
+
+BAD_GROUP_FIELDS = [
+    ("init_lora_update_group", {"timeout_s": "abc"}),
+    ("init_lora_update_group", {"timeout_s": 1e300}),
+    ("init_lora_update_group", {"master_port": 70000}),
+    ("init_lora_update_group", {"group_name": [1]}),
+    ("init_lora_update_group", {"world_size": 1e30}),
+    ("init_lora_update_group", {"world_size": True}),
+    ("init_lora_update_group", {"master_address": {"a": 1}}),
+    ("load_lora_adapter_from_distributed", {"bucket_bytes": "abc"}),
+    ("load_lora_adapter_from_distributed", {"tensors": "x"}),
+    ("load_lora_adapter_from_distributed", {"tensors": [{"name": "a", "dtype": "F32",
+                                                         "shape": ["8"]}]}),
+    ("load_lora_adapter_from_distributed", {"version": 1.5}),
+    ("load_lora_adapter_from_distributed", {"checksum": 7}),
+]
+
+
+def test_group_fields_are_type_and_range_checked(client, server):
+    """Review item 9: these fields gave 500s."""
+    good = {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1,
+            "world_size": 2, "lora_name": "grp", "tensors": [], "adapter_config": {"r": 8}}
+    for route, bad in BAD_GROUP_FIELDS:
+        status, reply, _ = http.request("POST", client.servers[0].route(route),
+                                        json_body={**good, **bad}, headers=AUTH)
+        assert 400 <= status < 500, (route, bad, status, reply)
+    assert server.alive()
+
+
+def _blackhole():
+    """A listener that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                pass
+    threading.Thread(target=accept, daemon=True).start()
+    return sock.getsockname()[1], lambda: (stop.set(), [c.close() for c in held], sock.close())
+
+
+def test_rendezvous_blackhole_neither_blocks_generation_nor_outlives_its_timeout(
+        client, server, make_adapter):
+    """Review items 3 and 18: a trainer address that accepts and never answers blocked
+    generation for 40 s and the init answered 500 after 45 s."""
+    port, close = _blackhole()
+    try:
+        init = Background("POST", client.servers[0].route("init_lora_update_group"),
+                          {"master_address": "127.0.0.1", "master_port": port,
+                           "rank_offset": 1, "world_size": 2, "group_name": "hole",
+                           "timeout_s": 4}, AUTH, timeout=60)
+        time.sleep(0.5)
+        completion = client.complete(PROMPT, "base", 4)  # the engine keeps generating
+        assert completion["text"] is not None
+        assert init.thread.is_alive(), "the init returned before the completion ran"
+        result = init.join(60)
+    finally:
+        close()
+    assert result["status"] == 502 and result["reply"]["error"]["code"] == "transfer_failed", \
+        result
+    assert server.alive()
+    # The failed group left nothing behind: a real group and broadcast work.
+    adapter = make_adapter(seed=661)
+    client.init_group(group_name="default", timeout_s=60)
+    try:
+        [res] = client.broadcast(adapter, f"after-hole-{server.engine}")
+    finally:
+        client.destroy_group()
+    assert greedy(client, res.name) == greedy(client, f"after-hole-{server.engine}")
+
+
+def test_trainer_address_must_be_allowed(client, server):
+    """Review item 3: workers dialled whatever master_address the body named."""
+    for host in ("10.11.12.13", "192.0.2.1", "not-a-host.invalid"):
+        status, reply, _ = http.request(
+            "POST", client.servers[0].route("init_lora_update_group"), headers=AUTH,
+            json_body={"master_address": host, "master_port": 29500, "rank_offset": 1,
+                       "world_size": 2, "timeout_s": 2})
+        assert status in (400, 403), (host, status, reply)
+        if status == 403:
+            assert reply["error"]["code"] == "trainer_not_allowed"
+            assert "LORA_SYNC_ALLOWED_TRAINERS" in reply["error"]["message"]
+    assert server.alive()
+
+
+def _stalled_upload(url: str, announced: int, sent: int) -> socket.socket:
+    """Starts an authorised upload that announces `announced` bytes, sends `sent`, stalls."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    path = "/" + url.split("//")[1].split("/", 1)[1]
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall((f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                  f"application/octet-stream\r\nContent-Length: {announced}\r\n"
+                  f"Authorization: {AUTH['Authorization']}\r\n\r\n").encode())
+    if sent:  # a plausible header length first, so the body is not refused at once
+        sock.sendall((1024).to_bytes(8, "little") + b" " * (sent - 8))
+    return sock
+
+
+def _read_reply(sock: socket.socket) -> str:
+    """Everything the server sends until it closes the connection (bounded: 30 s)."""
+    sock.settimeout(30)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    return data.decode(errors="replace")
+
+
+def test_slow_uploads_are_bounded(client, server, make_adapter):
+    """Review item 12: stalled uploads held 320 MB of staging for 30 s and more. The session
+    servers allow 6 MB of bodies in flight and a 2 s pause."""
+    route = client.servers[0].route("load_lora_adapter_from_tensors")
+    first = _stalled_upload(route, 3_500_000, 1_000_000)
+    try:
+        time.sleep(0.3)
+        second = _stalled_upload(route, 3_500_000, 0)
+        reply = _read_reply(second)
+        assert " 429 " in reply.split("\r\n")[0] and "staging_full" in reply, reply
+        # The stalled one is cut off: a 408 and a closed connection, not a held slot.
+        reply = _read_reply(first)
+        assert " 408 " in reply.split("\r\n")[0] and "body_timeout" in reply, reply
+    finally:
+        first.close()
+    assert client.push_tensors(make_adapter(seed=671), f"slow-{server.engine}")[0].version == 1
+
+
+def test_header_bomb_is_refused_cheaply(client, server):
+    """Review item 11: a 48 MB header of empty lists took 7 s to refuse and stalled /health."""
+    route = client.servers[0].route("load_lora_adapter_from_tensors")
+    huge = (9 * 2 ** 20).to_bytes(8, "little") + b"{" * 64
+    status, reply = post_body(route, huge)
+    assert status == 400 and "header length" in reply["error"]["message"], reply
+    lists = b'{"a":[' + b"[]," * 1_200_000 + b"[]]}"
+    lists += b" " * (-len(lists) % 8)
+    status, reply = post_body(route, len(lists).to_bytes(8, "little") + lists)
+    assert status == 400, reply
+    assert server.alive()
+
+
+def test_names_are_capped_and_can_be_retired(client, server, make_adapter):
+    """Review item 13: 400 distinct names were all accepted and no route removed one."""
+    cap = client.info()[0]["max_names"]
+    adapter = make_adapter(seed=681)
+    made, refused = [], None
+    for i in range(cap + 1):
+        try:
+            client.push_tensors(adapter, f"cap{i}-{server.engine}")
+            made.append(f"cap{i}-{server.engine}")
+        except Exception as e:  # noqa: BLE001
+            refused = e
+            break
+    try:
+        assert refused is not None and getattr(refused, "code", "") == "too_many_names", refused
+        held = {a["name"] for a in client.adapters()[0]["adapters"] if a["versions"]}
+        assert len(held) <= cap
+        out = client.retire(made[0])[0]
+        assert out["retired"] == [1]
+        with pytest.raises(NotFound):
+            client.complete(PROMPT, made[0], 2)
+        client.push_tensors(adapter, f"cap-new-{server.engine}")
+        made.append(f"cap-new-{server.engine}")
+    finally:
+        for n in made[1:]:
+            client.retire(n)
+    assert server.alive()
+
+
+def test_key_schemes_on_vllm(model_dir, make_adapter):
+    """Review items 4 and 5, on servers of their own: with only vLLM's --api-key G the admin
+    routes are closed (G used to open them); with G and LORA_SYNC_API_KEY K, K works on
+    every route (it used to be locked out) and G only generates."""
+    from lora_sync.processes import vllm_server
+    from lora_sync.errors import Forbidden, Unauthorized
+    gen, admin = "generation-key", "admin-key"
+    adapter = make_adapter(seed=691)
+    with vllm_server(model_dir, extra_args=("--api-key", gen), max_loras=1,
+                     max_cpu_loras=2) as server:
+        with LoRASyncClient(server.url, api_key=gen) as c:
+            assert c.complete(PROMPT, "base", 2)["text"] is not None
+            with pytest.raises(Forbidden, match="LORA_SYNC_API_KEY"):
+                c.push_tensors(adapter, "keys")
+            with pytest.raises(Forbidden):
+                c.init_group()
+    with vllm_server(model_dir, extra_args=("--api-key", gen), max_loras=1, max_cpu_loras=2,
+                     env={"LORA_SYNC_API_KEY": admin}) as server:
+        with LoRASyncClient(server.url, api_key=admin) as c:
+            assert c.push_tensors(adapter, "keys")[0].version == 1
+            served = c.complete(PROMPT, "keys", 4)
+        with LoRASyncClient(server.url, api_key=gen) as g:
+            assert g.complete(PROMPT, "keys", 4)["text"] == served["text"]
+            with pytest.raises(Unauthorized):
+                g.push_tensors(adapter, "keys")
+        for key in (None, gen):  # /invocations is outside vLLM's guard: checked by admission
+            status, _, _ = http.request(
+                "POST", f"{server.url}/invocations", json_body={"prompt": PROMPT, "max_tokens": 2},
+                headers={"X-Amzn-SageMaker-Adapter-Identifier": "keys",
+                         **({"Authorization": f"Bearer {key}"} if key else {})})
+            assert status == (401 if key is None else 200)
