@@ -416,8 +416,10 @@ def test_names_are_capped_and_can_be_retired(client, server, make_adapter):
         assert len(held) <= cap
         out = client.retire(made[0])[0]
         assert out["retired"] == [1]
-        with pytest.raises(NotFound):
-            client.complete(PROMPT, made[0], 2)
+        try:  # vLLM: unknown model (404); SGLang serves unknown names as the base model
+            assert client.complete(PROMPT, made[0], 2)["version"] is None
+        except NotFound:
+            pass
         client.push_tensors(adapter, f"cap-new-{server.engine}")
         made.append(f"cap-new-{server.engine}")
     finally:

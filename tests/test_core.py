@@ -188,3 +188,65 @@ def test_duplicate_tensor_names_are_refused():
     raw += b" " * (-len(raw) % 8)
     with pytest.raises(BadAdapter, match="twice"):
         wire.parse_header(memoryview(len(raw).to_bytes(8, "little") + raw + body[8 + n:]))
+
+
+@pytest.mark.parametrize("raw", ["1_0", "\u0663", " 7 ", "+4", "9" * 4300, "0", -1, 1.5, True,
+                                 str(2 ** 63), 2 ** 63, "1e3", [1]])
+def test_versions_are_ascii_digits_in_range(raw):
+    with pytest.raises(BadAdapter) as e:
+        naming.parse_version(raw)
+    assert e.value.code == "bad_version" and len(e.value.message) < 300
+
+
+def test_names_match_whole_and_ascii():
+    for bad in ("nl\n", "a" * 128 + "\n", "ünï", "x-v\u0663"):
+        with pytest.raises(BadAdapter):
+            naming.check_name(bad)
+    assert naming.split_versioned("p-v\u0663") == ("p-v\u0663", None)
+    assert naming.parse_version("42") == 42 and naming.parse_version(7) == 7
+
+
+def test_retired_name_keeps_its_numbering_while_versions_drain():
+    book = VersionBook()
+    for _ in range(3):
+        book.commit("p", book.reserve("p", None))
+    assert book.forget("p") == [1, 2, 3] and "p" not in book.names()
+    assert book.reserve("p", None) == 4  # p-v1..3 may still be draining
+
+
+@pytest.mark.parametrize("change,code", [
+    ({"lora_alpha": float("nan")}, "bad_config"), ({"lora_alpha": float("inf")}, "bad_config"),
+    ({"lora_alpha": 1e38}, "bad_config"), ({"lora_alpha": "16"}, "bad_config"),
+    ({"r": 8.5}, "bad_config"), ({"r": "8"}, "bad_config"), ({"r": True}, "bad_config"),
+    ({"lora_dropout": float("nan")}, "bad_config"), ({"bias": "all"}, "unsupported_module"),
+    ({"rank_pattern": {"q_proj": 2}}, "unsupported_module"),
+    ({"init_lora_weights": "pissa"}, "unsupported_module"),
+    ({"r": 2}, "bad_shape"),  # tensors have rank 4
+])
+def test_config_numbers_and_features_are_checked(change, code):
+    with pytest.raises(BadAdapter) as e:
+        check_adapter(specs_of(lora()), {**cfg(), **change}, SPEC)
+    assert e.value.code == code
+
+
+def test_a_module_named_twice_is_refused():
+    t = lora()
+    doubled = {**t, **{k.replace("base_model.model.", ""): v for k, v in t.items()}}
+    with pytest.raises(BadAdapter) as e:
+        check_adapter(specs_of(doubled), cfg(), SPEC)
+    assert e.value.code == "duplicate_module"
+
+
+@pytest.mark.parametrize("body", [
+    {"master_address": "h", "master_port": 70000, "rank_offset": 1, "world_size": 2},
+    {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 1e30},
+    {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2,
+     "timeout_s": "abc"},
+    {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2,
+     "group_name": [1]},
+    {"master_address": ["h"], "master_port": 1, "rank_offset": 1, "world_size": 2},
+])
+def test_group_requests_are_typed(body):
+    from lora_sync.server.requests import InitGroupRequest
+    with pytest.raises(BadAdapter):
+        InitGroupRequest.from_json(body)
