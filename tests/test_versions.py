@@ -139,6 +139,12 @@ def test_soak_200_versions_while_streaming(server, make_adapter):
     assert stats["ok"] > 20
     with LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key) as c:
         assert versions_of(c, "soak") == [198, 199, 200]
+        # Retired versions are freed once the engine has no request on them: let the last
+        # ones drain (bounded), then nothing but the window may be held.
+        deadline = time.time() + 30
+        while time.time() < deadline and any(
+                a["draining"] for a in c.adapters()[0]["adapters"] if a["name"] == "soak"):
+            time.sleep(0.2)
         info = http.call("GET", c.servers[0].route("lora_sync_info"), headers=AUTH)[0]
     held = info["worker_status"][0]["held_ids"]
     assert len(held) <= 60, f"worker holds {len(held)} adapters: retired ones leak"
@@ -167,7 +173,9 @@ def test_sglang_generate_route_and_paused_generation(sglang, make_adapter):
         deadline = time.time() + 30
         while inflight(c, "paused-v1") == 0 and time.time() < deadline:
             time.sleep(0.02)
-        http.call("POST", f"{sglang.url}/pause_generation", json_body={"mode": "in_place"})
+        # An admin route of SGLang's: it takes the admin key (lora-sync's) since the hardening.
+        http.call("POST", f"{sglang.url}/pause_generation", json_body={"mode": "in_place"},
+                  headers=AUTH)
         try:
             t0 = time.perf_counter()
             for i in range(KEEP):  # retires v1 while its request is paused
@@ -175,7 +183,8 @@ def test_sglang_generate_route_and_paused_generation(sglang, make_adapter):
             pushes_s = time.perf_counter() - t0
             assert versions_of(c, "paused") == [1, 2, 3, 4]  # v1 drains, not dropped
         finally:
-            http.call("POST", f"{sglang.url}/continue_generation", json_body={})
+            http.call("POST", f"{sglang.url}/continue_generation", json_body={},
+                      headers=AUTH)
         t.join(timeout=300)
         assert done["status"] == 200 and done["headers"]["x-lora-version"] == "1"
         deadline = time.time() + 10
