@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from lora_sync import LoRASyncClient, NotFound, http, wire
 

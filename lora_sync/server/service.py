@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import json
 import math
 import os
 import socket
