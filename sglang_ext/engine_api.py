@@ -120,7 +120,11 @@ def add_routes_and_middleware(router, middleware):
     from sglang.srt.entrypoints.http_server import app
     ours = {r.path for r in router.routes}
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in ours]
-    app.include_router(router)
+    # Route by route, not include_router: FastAPI 0.165 includes a router as one lazy
+    # entry whose match carries no endpoint, and SGLang's key middleware then reads our
+    # routes as NORMAL (generation key) instead of admin (found by test_key_schemes_on_sglang).
+    for r in router.routes:
+        app.add_api_route(r.path, r.endpoint, methods=sorted(r.methods))
     app.add_middleware(middleware)
     return app
 

@@ -80,6 +80,9 @@ def shapes(engine: str, name: str, url: str):
             ("/invocations header, no key", "POST", f"{url}/invocations",
              {"prompt": PROMPT, **LONG, "stream": True},
              {"X-Amzn-SageMaker-Adapter-Identifier": name}),
+            ("/v1/chat/completions/batch", "POST", f"{url}/v1/chat/completions/batch",
+             {"model": name, "messages": [[{"role": "user", "content": PROMPT}]], **LONG},
+             None),
         ]
     sampling = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0}
     return [
@@ -132,6 +135,16 @@ def test_internal_lora_id_is_refused(client, server):
                                               "parameters": {"lora_id": "lora-sync-1"}})):
         status, reply, _ = http.request("POST", server.url + route, json_body=body)
         assert status == 400 and "lora_id" in reply["error"]["message"], (route, reply)
+    assert server.alive()
+
+
+def test_bodies_admission_cannot_read_are_refused(client, server):
+    """A compressed body (SGLang's x-body-compressed middleware, a Content-Encoding) would
+    reach the engine with adapter names admission never read: refused."""
+    for header in ({"X-Body-Compressed": "zstd"}, {"Content-Encoding": "gzip"}):
+        status, reply = post_body(f"{server.url}/v1/completions", b"\x28\xb5\x2f\xfd",
+                                  "application/json", headers=header)
+        assert status == 400 and "uncompressed" in reply["error"]["message"], (header, reply)
     assert server.alive()
 
 
@@ -458,3 +471,42 @@ def test_key_schemes_on_vllm(model_dir, make_adapter):
                 headers={"X-Amzn-SageMaker-Adapter-Identifier": "keys",
                          **({"Authorization": f"Bearer {key}"} if key else {})})
             assert status == (401 if key is None else 200)
+
+
+def test_key_schemes_on_sglang(model_dir, make_adapter):
+    """Review items 4 and 5 on SGLang, on servers of their own: with only --api-key G the
+    admin routes are closed; with G and LORA_SYNC_API_KEY K (our launcher makes K SGLang's
+    --admin-api-key) K pushes, G generates and gets 401 on admin routes."""
+    from lora_sync.errors import Forbidden, Unauthorized
+    from lora_sync.processes import sglang_server
+
+    from .conftest import SGLANG_PYTHON, SGLANG_TEST_PATH
+    if not SGLANG_PYTHON.exists():
+        pytest.skip("no .venv-sglang: run scripts/install.sh")
+    gen, admin = "generation-key", "admin-key"
+    adapter = make_adapter(seed=695)
+
+    def server(**env):
+        return sglang_server(model_dir, python=str(SGLANG_PYTHON), extra_args=("--api-key", gen),
+                             env={"PYTHONPATH": SGLANG_TEST_PATH, **env})
+    with server() as s:
+        with LoRASyncClient(s.url, engine="sglang", api_key=gen) as c:
+            assert c.complete(PROMPT, "base", 2)["text"] is not None
+            with pytest.raises(Forbidden, match="LORA_SYNC_API_KEY"):
+                c.push_tensors(adapter, "keys")
+            status, _, _ = http.request(  # SGLang's own adapter route: closed too
+                "POST", f"{s.url}/unload_lora_adapter", json_body={"lora_name": "x"},
+                headers={"Authorization": f"Bearer {gen}"})
+            assert status == 403
+    with server(LORA_SYNC_API_KEY=admin) as s:
+        with LoRASyncClient(s.url, engine="sglang", api_key=admin) as c:
+            assert c.push_tensors(adapter, "keys")[0].version == 1
+        with LoRASyncClient(s.url, engine="sglang", api_key=gen) as g:
+            served = g.complete(PROMPT, "keys", 4)
+            assert served["version"] == 1
+            with pytest.raises(Unauthorized):
+                g.push_tensors(adapter, "keys")
+        with LoRASyncClient(s.url, engine="sglang") as anonymous:
+            with pytest.raises(Unauthorized):
+                anonymous.complete(PROMPT, "keys", 4)
+        assert s.alive()

@@ -97,7 +97,7 @@ class AdmissionMiddleware:
         """Admits every adapter the request names; returns (admitted, scope, body) with the
         request rewritten to name the admitted versions."""
         if not isinstance(request, dict):
-            return [], scope, body
+            request = {}  # no JSON names, but the SageMaker header may still name one
         places = [request] + [request[k] for k in NESTED if isinstance(request.get(k), dict)]
         for place in places:
             for f in INTERNAL_FIELDS:
@@ -136,7 +136,7 @@ class AdmissionMiddleware:
             if not ok:
                 for a in admitted:
                     service.release(a.served_name)
-        if admitted:
+        if admitted and request:
             body = json.dumps(request).encode()
             scope = _with_header(scope, b"content-length", str(len(body)))
         return admitted, scope, body
@@ -160,18 +160,32 @@ def _native_name(route: NativeRoute, scope, request) -> str | None:
     return request.get(route.field) if isinstance(request, dict) else None
 
 
+# Bodies the engines read as forms, not JSON (vLLM's audio routes).
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+# Encodings an engine may undo behind admission (SGLang's x-body-compressed middleware):
+# admission cannot read such a body, so it is refused rather than passed on unread.
+ENCODING_HEADERS = (b"content-encoding", b"x-body-compressed")
+
+
 def _parse(body: bytes, scope):
-    """The JSON body, or None when there is none or it is not JSON (multipart uploads). A
-    body that claims to be JSON must parse: the engine would otherwise read an adapter name
-    that admission never saw (a parser differential)."""
-    ctype = (_header(scope, b"content-type") or "application/json").split(";")[0].strip()
-    if not body.strip() or ctype not in ("application/json", ""):
+    """The JSON body, or None when there is none or it is a form. The content type does not
+    decide: some engine routes read JSON whatever the header says (vLLM's /invocations), so
+    a body that parses is admitted. A body that claims to be JSON must parse: the engine
+    would otherwise read an adapter name that admission never saw (a parser differential)."""
+    for name in ENCODING_HEADERS:
+        if (_header(scope, name) or "identity").strip().lower() != "identity":
+            raise BadAdapter(f"{name.decode()} bodies cannot be checked by lora-sync's "
+                             "admission; send the request uncompressed", code="bad_request")
+    ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+    if not body.strip() or ctype in FORM_TYPES:
         return None
     try:
         return json.loads(body, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise BadAdapter("request body is nested too deeply", code="bad_request") from None
     except ValueError as e:
+        if ctype not in ("", "application/json") and not ctype.endswith("+json"):
+            return None  # not JSON, and not claimed to be: no engine reads a name from it
         raise BadAdapter(f"request body is not valid JSON: {str(e)[:200]}",
                          code="bad_request") from None
 
