@@ -2,7 +2,8 @@
 
 Imports no inference engine."""
 from .adapter import LoRAAdapter, ModelSpec, check_adapter
-from .client import LoRASyncClient, PushResult, Server
+from .client import LoRASyncClient
+from .transports.base import PushResult, Server
 from .errors import (BadAdapter, LoRASyncError, NotFound, PayloadTooLarge, TransferFailed,
                      Unauthorized, VersionConflict)
 from .naming import VersionBook, split_versioned, versioned

@@ -3,39 +3,18 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from . import http
 from .adapter import LoRAAdapter
+from .collective import free_port
+from .errors import LoRASyncError
+from .transports import PER_SERVER, TRANSPORTS, broadcast
+from .transports.base import PushResult, Server
 
-# The only engine difference the client knows: where the routes live.
-ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
 # The engines' own routes for adapters on disk (the baseline lora-sync replaces).
 NATIVE_ROUTES = {"vllm": {"load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter"},
                  "sglang": {"load": "/load_lora_adapter", "unload": "/unload_lora_adapter"}}
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str                      # e.g. http://127.0.0.1:8000
-    engine: str = "vllm"          # vllm | sglang
-
-    def route(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}{ROUTE_PREFIX[self.engine]}/{name}"
-
-
-@dataclass
-class PushResult:
-    server: str
-    name: str                     # registered name, e.g. policy-v3
-    version: int
-    bytes: int
-    seconds: float                # wall time seen by the client
-    reply: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_reply(cls, server_url: str, reply: dict, seconds: float) -> "PushResult":
-        return cls(server_url, reply["name"], reply["version"], reply["bytes"], seconds, reply)
+TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 
 
 def as_adapter(adapter) -> LoRAAdapter:
@@ -57,53 +36,62 @@ class LoRASyncClient:
         self.timeout = timeout
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.servers)))
         self._group = None  # set by init_group (broadcast transport)
+        self._same_host: dict[str, bool] = {}  # server url -> its shm leases reach us
 
-    # -- tensors over HTTP -------------------------------------------------------------
+    # -- pushes -------------------------------------------------------------------------
+    def push(self, adapter, name: str, version: int | None = None, transport: str = "auto",
+             checksum: bool = False) -> list[PushResult]:
+        """Pushes a new version of `name` to every server. `transport`: 'auto' (shared memory
+        where the server is on this host, else tensors over HTTP), 'shm', 'tensors' or
+        'broadcast' (after init_group)."""
+        if transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}, not {transport!r}")
+        adapter = as_adapter(adapter)
+        if transport == "broadcast":
+            return self.broadcast(adapter, name, version, checksum)
+        return self._each(lambda s: self._push_one(s, adapter, name, version, transport,
+                                                   checksum))
+
+    def _push_one(self, server: Server, adapter, name, version, transport, checksum):
+        if transport == "auto":  # shm once seen to work; a server it missed stays on HTTP
+            transport = "shm" if self._same_host.get(server.url, True) else "tensors"
+            result = PER_SERVER[transport](self, server, adapter, name, version, checksum)
+            self._same_host[server.url] = transport == "shm" and result is not None
+            if result is None:
+                return PER_SERVER["tensors"](self, server, adapter, name, version, checksum)
+            return result
+        result = PER_SERVER[transport](self, server, adapter, name, version, checksum)
+        if result is None:
+            raise LoRASyncError(f"{server.url} cannot be reached through shared memory from "
+                                "this process (another host or PID namespace); use "
+                                "transport='tensors'", code="shm_unreachable", status=400)
+        return result
+
     def push_tensors(self, adapter, name: str, version: int | None = None,
                      checksum: bool = False) -> list[PushResult]:
         """Sends the adapter as one safetensors body to every server (concurrently)."""
-        adapter = as_adapter(adapter)
-        chunks = adapter.encode(name, version, with_checksum=checksum)
-        return self._each(lambda s: self._push_one(s, chunks))
-
-    def _push_one(self, server: Server, chunks) -> PushResult:
-        t0 = time.perf_counter()
-        body, _ = http.call("POST", server.route("load_lora_adapter_from_tensors"),
-                            chunks=chunks, timeout=self.timeout,
-                            headers={**self.headers, "Content-Type": "application/octet-stream"})
-        return PushResult.from_reply(server.url, body, time.perf_counter() - t0)
+        return self.push(adapter, name, version, "tensors", checksum)
 
     # -- collective broadcast -----------------------------------------------------------
     def init_group(self, master_address: str = "127.0.0.1", master_port: int | None = None,
                    backend: str = "gloo", group_name: str = "default",
                    timeout_s: float = 120.0, **kw):
         """Joins every worker of every server into a group with this process as rank 0."""
-        from . import broadcast
-        from .processes import free_port
         self._group = broadcast.init_group(self, master_address, master_port or free_port(),
                                            backend, group_name, timeout_s, **kw)
         return self._group
 
     def broadcast(self, adapter, name: str, version: int | None = None,
                   checksum: bool = False) -> list[PushResult]:
-        from . import broadcast
         if self._group is None:
             raise RuntimeError("call init_group() before broadcast()")
         return broadcast.broadcast(self, self._group, as_adapter(adapter), name, version,
                                    checksum)
 
     def destroy_group(self) -> None:
-        from . import broadcast
         group, self._group = self._group, None
         if group is not None:
             broadcast.destroy_group(self, group)
-
-    def push(self, adapter, name: str, version: int | None = None,
-             transport: str = "tensors") -> list[PushResult]:
-        """One call for either transport ('tensors' or 'broadcast')."""
-        if transport == "broadcast":
-            return self.broadcast(adapter, name, version)
-        return self.push_tensors(adapter, name, version)
 
     # -- disk (the engines' own route; the baseline) -----------------------------------
     def load_from_disk(self, path: str, served_name: str) -> list[float]:

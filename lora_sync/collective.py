@@ -4,6 +4,7 @@ Both sides call `create_group` (same code, the backend is a parameter: gloo on C
 GPU) and `pack_bucket` / `unpack_bucket` agree on how tensors are laid out in a broadcast."""
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -144,3 +145,10 @@ def receive_buckets(group: Group, buckets: list[Bucket], flats: list[torch.Tenso
     for w in works:
         w.wait()
     return received
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (for the trainer's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

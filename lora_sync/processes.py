@@ -19,6 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from .collective import free_port  # noqa: F401  (servers' ports, as the tests use them)
+
 INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
 SHM = "/dev/shm"
@@ -41,12 +43,6 @@ def remove_unheld(directory: str, names: set[str]) -> None:
                 os.unlink(path)
             except OSError:
                 pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

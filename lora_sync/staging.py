@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import json
 import mmap
 import os
@@ -40,6 +41,17 @@ class StagedBody:
     path: str
     nbytes: int
     header: wire.Header
+
+
+@dataclass
+class StagedFile:
+    """A received body's file, held while a version is built from it."""
+    area: "StagingArea"
+    path: str
+
+    def release(self, reusable: bool = True) -> None:
+        """`reusable`: no worker maps the file any more, so a later body may overwrite it."""
+        (self.area.release if reusable else discard)(self.path)
 
 
 def _too_large(n: int, limit: int) -> PayloadTooLarge:
@@ -167,13 +179,32 @@ def open_staged(path: str, only_reader: bool = False):
     reader maps it shared and writes into the file itself; several readers (tensor-parallel
     ranks) must each keep a private copy."""
     with open(path, "r+b" if only_reader else "rb") as f:
-        if only_reader:  # every page gets read: map them all now (one call, not a fault each)
+        if only_reader and not is_sealed(f.fileno()):
+            # every page gets read: map them all now (one call, not a fault each)
             buf = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
         else:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     header = wire.parse_header(memoryview(buf))
     return header, wire.view_tensors(buf, header)
+
+
+F_GET_SEALS, F_SEAL_WRITE = 1034, 8
+
+
+def is_sealed(fd: int) -> bool:
+    """Whether a file is a write-sealed memfd (a committed shm lease): nobody may map it
+    shared and writable any more, so its readers map it private."""
+    try:
+        return bool(fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_WRITE)
+    except OSError:  # not a memfd: seals do not apply
+        return False
+
+
+def read_header(fd: int, nbytes: int) -> wire.Header:
+    """Checks the safetensors header of a file of `nbytes` without mapping it."""
+    head = os.pread(fd, 8, 0)
+    return wire.parse_header(os.pread(fd, wire.header_length(head), 0), nbytes)
 
 
 # -- completion notices -------------------------------------------------------------------

@@ -90,22 +90,26 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
-    """Returns the safetensors file as a list of chunks: header bytes, then one byte view per
-    tensor (no copy of tensor memory). `b"".join(chunks)` is the complete file."""
+def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
+    """The safetensors file as [header bytes, tensor, tensor, ...]: each tensor's bytes
+    follow in order (the same-host transport copies them, from any device, into place)."""
     header: dict = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
-    chunks: list = []
     offset = 0
     for name, t in tensors.items():
         spec = TensorSpec.of(name, t)
-        view = _as_bytes(t)
         header[name] = {"dtype": spec.dtype, "shape": list(spec.shape),
-                        "data_offsets": [offset, offset + len(view)]}
-        chunks.append(view)
-        offset += len(view)
+                        "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
-    return [struct.pack("<Q", len(raw)) + raw] + chunks
+    return [struct.pack("<Q", len(raw)) + raw, *tensors.values()]
+
+
+def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
+    """Returns the safetensors file as a list of chunks: header bytes, then one byte view per
+    tensor (no copy of tensor memory). `b"".join(chunks)` is the complete file."""
+    header, *parts = layout(tensors, metadata)
+    return [header] + [_as_bytes(t) for t in parts]
 
 
 def encode_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

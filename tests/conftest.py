@@ -54,7 +54,8 @@ SGLANG_TEST_PATH = f"{REPO / 'tests' / 'sgl_kernel_standin'}{os.pathsep}{REPO}"
 SERVER_ENV = {"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
               "LORA_SYNC_KEEP_VERSIONS": "3", "LORA_SYNC_CHECK_FINITE": "1",
               # small bounds so the attack tests reach them quickly
-              "LORA_SYNC_MAX_STAGING_MB": "6", "LORA_SYNC_BODY_IDLE_S": "2"}
+              "LORA_SYNC_MAX_STAGING_MB": "6", "LORA_SYNC_BODY_IDLE_S": "2",
+              "LORA_SYNC_LEASE_TTL_S": "3"}
 
 
 @pytest.fixture(scope="session")

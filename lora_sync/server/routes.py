@@ -17,7 +17,10 @@ logger = logging.getLogger("lora_sync")
 JSON_ROUTES = {"/init_lora_update_group": "init_group",
                "/load_lora_adapter_from_distributed": "load_from_distributed",
                "/destroy_lora_update_group": "destroy_group",
-               "/retire_lora_adapter": "retire_name"}
+               "/retire_lora_adapter": "retire_name",
+               "/lora_sync_lease": "grant_lease",
+               "/lora_sync_lease_cancel": "cancel_lease",
+               "/load_lora_adapter_from_lease": "load_from_lease"}
 GET_ROUTES = ("/lora_sync_info", "/lora_adapters")
 PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
                "application/octet-stream (see docs/protocol.md); pickled tensors are refused")

@@ -15,7 +15,8 @@ from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check
 from ..adapter import ModelSpec
 from ..errors import (BadAdapter, Forbidden, LoRASyncError, NotFound, PayloadTooLarge,
                       TooBusy, Unauthorized)
-from ..staging import BodyLimits, StagingArea, discard
+from ..staging import BodyLimits, StagedBody, StagedFile, StagingArea, read_header
+from ..transports.shm import CommitRequest, LeaseRequest, LeaseTable
 from .bridge import EngineBridge
 from .requests import DistributedLoadRequest, InitGroupRequest, group_name_of, parse_config
 
@@ -40,6 +41,7 @@ class Settings:
     max_request_bytes: int = 32 * 1024 ** 2
     allowed_trainers: tuple = ("127.0.0.0/8", "::1/128")
     max_groups: int = 8
+    lease_ttl_s: float = 30.0        # an shm lease not committed by then is freed
 
     @classmethod
     def from_env(cls, engine_has_key: bool = False,
@@ -75,7 +77,8 @@ class Settings:
             body_idle_s=num("LORA_SYNC_BODY_IDLE_S", cls.body_idle_s),
             min_body_rate=num("LORA_SYNC_MIN_BODY_MBPS", 1.0) * mb,
             max_request_bytes=int(num("LORA_SYNC_MAX_REQUEST_MB", 32) * mb),
-            allowed_trainers=allowed)
+            allowed_trainers=allowed,
+            lease_ttl_s=num("LORA_SYNC_LEASE_TTL_S", cls.lease_ttl_s))
 
     @property
     def body_limits(self) -> BodyLimits:
@@ -96,7 +99,7 @@ class AdapterRecord:
     loaded_at: float = field(default_factory=time.time)
     inflight: int = 0          # admitted requests not yet finished
     retired: bool = False      # out of the window: no new requests, dropped when idle
-    staged_path: str | None = field(default=None, repr=False)  # the body workers map
+    hold: object = field(default=None, repr=False)  # the staged body workers map
 
 
 class AdapterService:
@@ -109,8 +112,10 @@ class AdapterService:
         self._spec: ModelSpec | None = None
         self.group_timeouts: dict[str, float] = {}
         self.staging = StagingArea()
+        self.leases = LeaseTable(self.settings.lease_ttl_s)
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
+        self._background: set = set()                 # other work after a reply
 
     async def model_spec(self) -> ModelSpec:
         if self._spec is None:
@@ -162,6 +167,44 @@ class AdapterService:
         settle_ms = await self._settle()
         t_recv = time.perf_counter()
         staged = await self.staging.stage(chunks, self.settings.body_limits, content_length)
+        return await self._load_staged(staged, StagedFile(self.staging, staged.path), "tensors",
+                                       t0, settle=settle_ms,
+                                       receive=(time.perf_counter() - t_recv) * 1e3)
+
+    # -- shm: leases the trainer writes into (transports/shm.py) -----------------------
+    async def grant_lease(self, body: dict) -> dict:
+        req = LeaseRequest.from_json(body, self.settings.max_body_bytes)
+        budget = self.settings.max_staging_bytes - self.staging.inflight
+        return self.leases.grant(req.nbytes, budget).to_json()
+
+    async def cancel_lease(self, body: dict) -> dict:
+        self.leases.cancel(CommitRequest.from_json(body))
+        return {"cancelled": True}
+
+    async def load_from_lease(self, body: dict) -> dict:
+        t0 = time.perf_counter()
+        sealed = self.leases.take(CommitRequest.from_json(body))
+        settle_ms = await self._settle()
+        t_read = time.perf_counter()
+        try:
+            header = await asyncio.to_thread(read_header, sealed.fd, sealed.nbytes)
+        except BaseException:
+            sealed.release()
+            raise
+        staged = StagedBody(sealed.path, sealed.nbytes, header)
+        reply = await self._load_staged(staged, sealed, "shm", t0, settle=settle_ms,
+                                        receive=(time.perf_counter() - t_read) * 1e3)
+        # The next lease of this size gets pages touched now, off the push path.
+        spare = asyncio.get_running_loop().run_in_executor(None, self.leases.prepare_spare,
+                                                           sealed.nbytes)
+        self._background.add(spare)
+        spare.add_done_callback(self._background.discard)
+        return reply
+
+    async def _load_staged(self, staged: StagedBody, hold, transport: str, t0: float,
+                           **timings_ms) -> dict:
+        """Checks a staged safetensors body and installs it; `hold` (the body's file) goes
+        back unless the new version keeps it."""
         kept = False
         try:
             meta = staged.header.metadata
@@ -170,19 +213,17 @@ class AdapterService:
             checksum = meta.get(META_CHECKSUM)
             cfg = check_adapter(staged.header.specs, parse_config(meta.get(META_CONFIG)),
                                 await self.model_spec())
-            received_ms = (time.perf_counter() - t_recv) * 1e3
 
             async def stage(adapter_id):
                 return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg, checksum)
             nbytes = staged.nbytes - staged.header.data_start
-            reply = await self._install(name, version, cfg, nbytes, "tensors", stage, t0,
-                                        staged.path)
+            reply = await self._install(name, version, cfg, nbytes, transport, stage, t0, hold)
             kept = True  # the workers now map the file: it goes back when the version does
-            reply["timings_ms"].update(settle=settle_ms, receive=received_ms)
+            reply["timings_ms"].update(timings_ms)
             return reply
         finally:
             if not kept:
-                self.staging.release(staged.path)
+                hold.release()
 
     async def load_from_distributed(self, body: dict) -> dict:
         t0 = time.perf_counter()
@@ -204,7 +245,7 @@ class AdapterService:
         return reply
 
     async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0,
-                       staged_path: str | None = None) -> dict:
+                       hold=None) -> dict:
         t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
             if name not in self._names() and len(self._names()) >= self.settings.max_names:
@@ -229,7 +270,7 @@ class AdapterService:
             self.bridge.publish([served], handle)
             retired = self.book.commit(name, version, self.settings.keep_versions)
             rec = AdapterRecord(name, version, served, adapter_id, nbytes, int(cfg["r"]),
-                                transport, (t3 - t0) * 1e3, staged_path=staged_path)
+                                transport, (t3 - t0) * 1e3, hold=hold)
             self.records[served] = rec
             self._retire(name, retired)
         return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
@@ -303,9 +344,9 @@ class AdapterService:
         self._freeing.add(task)
         try:
             dropped = await self._forget([rec.adapter_id])
-            if rec.staged_path is not None:
-                # Reuse the file only once no worker serves from it; else just unlink it.
-                (self.staging.release if dropped else discard)(rec.staged_path)
+            if rec.hold is not None:
+                # Reuse the file only once no worker serves from it; else just let it go.
+                rec.hold.release(reusable=dropped)
         finally:
             self._freeing.discard(task)
 
@@ -397,7 +438,7 @@ class AdapterService:
                 "linear_modules": {k: list(v) for k, v in spec.linear.items()},
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
-                "max_names": self.settings.max_names}
+                "max_names": self.settings.max_names, "open_leases": len(self.leases.pending)}
 
     def list_adapters(self) -> dict:
         """Per name: its servable versions (and retired ones requests still run on), the
@@ -410,7 +451,7 @@ class AdapterService:
                 entry["draining"].append(rec.served_name)
             if not rec.retired or rec.inflight:
                 entry["versions"].append({k: v for k, v in asdict(rec).items()
-                                          if k != "staged_path"})  # internals stay inside
+                                          if k != "hold"})  # paths and leases stay inside
             latest = self.book.latest(rec.name)
             entry["alias_target"] = naming.versioned(rec.name, latest) if latest else None
             entry["inflight"] += rec.inflight

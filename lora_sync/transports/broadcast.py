@@ -7,9 +7,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import collective, http
-from .adapter import LoRAAdapter, ModelSpec, check_adapter
-from .errors import LoRASyncError, TransferFailed
+from .. import collective, http
+from ..adapter import LoRAAdapter, ModelSpec, check_adapter
+from ..errors import LoRASyncError, TransferFailed
+from .base import PushResult
 
 
 @dataclass
@@ -57,7 +58,6 @@ def broadcast(client, group: TrainerGroup, adapter: LoRAAdapter, name: str,
               version: int | None = None, checksum: bool = False) -> list:
     """Posts the metadata to every server and broadcasts the tensors concurrently; returns
     when every server has the version servable."""
-    from .client import PushResult
     if group.broken:
         raise TransferFailed(f"group {group.name!r} failed earlier; destroy it and call "
                              "init_group again")

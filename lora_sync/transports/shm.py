@@ -1,0 +1,267 @@
+"""Same-host transport: the trainer writes the safetensors file straight into memory the server
+leased to it, then commits. Only two small JSON calls cross the socket.
+
+The lease is a Linux memfd owned by the server's API process. The trainer reaches it through
+`/proc/<server pid>/fd/<n>` (so only a process on the same host and in the same PID namespace
+can), checks a random probe the server wrote into it, writes, unmaps and commits with a
+one-time token. At commit the server seals the memfd (F_SEAL_WRITE, SHRINK, GROW): from then
+on nobody, the trainer included, can change the bytes the served version is built from; a
+trainer that still holds a writable mapping gets a 409 instead. The server never takes a
+path from the client: a commit names a lease id it granted."""
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hmac
+import mmap
+import os
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+
+from .. import wire
+from ..errors import BadAdapter, Forbidden, LoRASyncError, NotFound, TooBusy
+from ..fields import field
+
+LEASE_ROUTE = "lora_sync_lease"
+CANCEL_ROUTE = "lora_sync_lease_cancel"
+COMMIT_ROUTE = "load_lora_adapter_from_lease"
+PROBE_BYTES = 16
+_LEASE_ID = re.compile(r"[0-9a-f]{32}")
+_SEALS = 1 | 2 | 4 | 8  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE
+F_ADD_SEALS = 1033
+
+
+# -- typed messages ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class LeaseRequest:
+    nbytes: int
+
+    @classmethod
+    def from_json(cls, body: dict, max_bytes: int) -> "LeaseRequest":
+        return cls(field(body, "nbytes", int, lo=PROBE_BYTES, hi=max_bytes, where="lease"))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The grant: where to write (`path`), what must be there before (`probe`), and the
+    one-time `token` that commits it. Only this reply ever carries them."""
+    lease_id: str
+    token: str
+    path: str
+    probe: str
+    nbytes: int
+    expires_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Lease":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    lease_id: str
+    token: str
+
+    @classmethod
+    def from_json(cls, body: dict) -> "CommitRequest":
+        lease_id = field(body, "lease_id", str, max_len=64, where="lease commit")
+        if not _LEASE_ID.fullmatch(lease_id):
+            raise BadAdapter("lease_id must be the 32 hex digits the lease reply gave",
+                             code="bad_request")
+        return cls(lease_id, field(body, "token", str, max_len=128, where="lease commit"))
+
+
+# -- server side (API process) ----------------------------------------------------------
+@dataclass
+class _Pending:
+    fd: int
+    nbytes: int
+    token_digest: bytes
+    timer: asyncio.TimerHandle | None = None
+
+
+class SealedBody:
+    """A committed lease: its memfd stays open while the version lives (workers map it)."""
+
+    def __init__(self, fd: int, nbytes: int):
+        self.fd, self.nbytes = fd, nbytes
+        self.path = f"/proc/{os.getpid()}/fd/{fd}"
+
+    def release(self, reusable: bool = True) -> None:
+        os.close(self.fd)  # the pages go once the workers' mappings do
+
+
+class LeaseTable:
+    """Leases granted and not yet committed. Each is bounded in time (`ttl_s`, then freed)
+    and counts against the staging bytes a server may hold (`budget`)."""
+
+    def __init__(self, ttl_s: float = 30.0, max_pending: int = 8):
+        self.ttl_s, self.max_pending = ttl_s, max_pending
+        self.pending: dict[str, _Pending] = {}
+        self._spare: tuple[int, int] | None = None   # (fd, nbytes): pre-touched memfd
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pending.values())
+
+    def grant(self, nbytes: int, budget: int) -> Lease:
+        if len(self.pending) >= self.max_pending:
+            raise TooBusy(f"{self.max_pending} leases are already open; commit or cancel "
+                          "one first", code="too_many_leases")
+        if self.pending_bytes + nbytes > budget:
+            raise TooBusy(f"open leases hold {self.pending_bytes} bytes; {nbytes} more would "
+                          f"pass LORA_SYNC_MAX_STAGING_MB ({budget} bytes)", code="staging_full")
+        fd = self._take_spare(nbytes)
+        probe = secrets.token_bytes(PROBE_BYTES)
+        os.pwrite(fd, probe, 0)
+        lease_id, token = secrets.token_hex(16), secrets.token_hex(32)
+        held = self.pending[lease_id] = _Pending(fd, nbytes, _digest(token))
+        held.timer = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, lease_id)
+        return Lease(lease_id, token, f"/proc/{os.getpid()}/fd/{fd}", probe.hex(), nbytes,
+                     self.ttl_s)
+
+    def take(self, req: CommitRequest) -> SealedBody:
+        """Redeems a lease (once) and seals it: the bytes are fixed from here on."""
+        held = self.pending.get(req.lease_id)
+        if held is None:
+            raise NotFound("no open lease with this id: it expired, was committed or "
+                           "cancelled, or was never granted", code="unknown_lease")
+        if not hmac.compare_digest(held.token_digest, _digest(req.token)):
+            raise Forbidden("wrong token for this lease", code="bad_token")
+        self._close_pending(req.lease_id, keep_fd=True)
+        try:
+            fcntl.fcntl(held.fd, F_ADD_SEALS, _SEALS)
+        except OSError as e:
+            os.close(held.fd)
+            busy = e.errno == 16  # EBUSY: a writable shared mapping still exists
+            raise LoRASyncError("the lease is still mapped writable by some process; unmap "
+                                "it before committing" if busy else f"could not seal the "
+                                f"lease ({e})", code="lease_mapped" if busy else "bad_lease",
+                                status=409 if busy else 400) from None
+        return SealedBody(held.fd, held.nbytes)
+
+    def cancel(self, req: CommitRequest) -> None:
+        held = self.pending.get(req.lease_id)
+        if held is None or not hmac.compare_digest(held.token_digest, _digest(req.token)):
+            raise NotFound("no open lease with this id and token", code="unknown_lease")
+        self._close_pending(req.lease_id)
+
+    def prepare_spare(self, nbytes: int) -> None:
+        """Pre-touches a memfd for the next lease of this size (run it off the push path):
+        fresh pages cost about 1 ms/MB here, pages already in the memfd a tenth of that."""
+        if self._spare is not None:
+            return
+        fd = _new_memfd(nbytes)
+        zeros = bytes(min(nbytes, 8 << 20))
+        for off in range(0, nbytes, len(zeros)):
+            os.pwrite(fd, zeros[:nbytes - off], off)
+        if self._spare is None:
+            self._spare = (fd, nbytes)
+        else:
+            os.close(fd)
+
+    def close(self) -> None:
+        for lease_id in list(self.pending):
+            self._close_pending(lease_id)
+        if self._spare is not None:
+            os.close(self._spare[0])
+            self._spare = None
+
+    def _take_spare(self, nbytes: int) -> int:
+        if self._spare is not None and self._spare[1] == nbytes:
+            fd, self._spare = self._spare[0], None
+            return fd
+        return _new_memfd(nbytes)
+
+    def _expire(self, lease_id: str) -> None:
+        if lease_id in self.pending:
+            self._close_pending(lease_id)
+
+    def _close_pending(self, lease_id: str, keep_fd: bool = False) -> None:
+        held = self.pending.pop(lease_id)
+        if held.timer is not None:
+            held.timer.cancel()
+        if not keep_fd:
+            os.close(held.fd)
+
+
+def _new_memfd(nbytes: int) -> int:
+    fd = os.memfd_create("lora-sync-lease", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    return fd
+
+
+def _digest(token: str) -> bytes:
+    import hashlib
+    return hashlib.sha256(token.encode()).digest()
+
+
+# -- trainer side ---------------------------------------------------------------------
+def write_lease(lease: Lease, chunks: list) -> bool:
+    """Writes the safetensors file (`chunks`: header bytes, then tensors) into the lease.
+    Returns False when the lease is not reachable from here (another host or PID
+    namespace): the caller then falls back to HTTP. Tensors on a GPU are copied device to
+    host straight into the mapping."""
+    try:
+        fd = os.open(lease.path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        if os.pread(fd, PROBE_BYTES, 0) != bytes.fromhex(lease.probe) \
+                or os.fstat(fd).st_size != lease.nbytes:
+            return False  # a file of that name, but not our lease
+        buf = mmap.mmap(fd, lease.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+    try:
+        offset = 0
+        for chunk in chunks:
+            offset = _copy_into(buf, offset, chunk)
+    finally:
+        buf.close()  # unmapped before the commit, or the server cannot seal it
+    return True
+
+
+def _copy_into(buf: mmap.mmap, offset: int, chunk) -> int:
+    if isinstance(chunk, torch.Tensor):
+        n = chunk.numel() * chunk.element_size()
+        if n:
+            dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
+            dst.copy_(chunk.detach().contiguous().reshape(-1).view(torch.uint8))
+            del dst
+        return offset + n
+    n = len(chunk)
+    buf[offset:offset + n] = chunk
+    return offset + n
+
+
+def total_bytes(chunks: list) -> int:
+    return sum(c.numel() * c.element_size() if isinstance(c, torch.Tensor) else len(c)
+               for c in chunks)
+
+
+def push_one(client, server, adapter, name: str, version: int | None,
+             checksum: bool):
+    """Lease, write, commit. Returns None (after cancelling the lease) when the server's
+    memory is not reachable from this process: the caller falls back to HTTP."""
+    from .. import http
+    from .base import PushResult
+    parts = wire.layout(adapter.tensors, adapter.metadata(name, version, checksum))
+    t0 = time.perf_counter()
+    call = partial(http.call, "POST", headers=client.headers, timeout=client.timeout)
+    lease = Lease.from_json(call(server.route(LEASE_ROUTE),
+                                 json_body={"nbytes": total_bytes(parts)})[0])
+    ticket = {"lease_id": lease.lease_id, "token": lease.token}
+    if not write_lease(lease, parts):
+        call(server.route(CANCEL_ROUTE), json_body=ticket)
+        return None
+    reply, _ = call(server.route(COMMIT_ROUTE), json_body=ticket)
+    return PushResult.from_reply(server.url, reply, time.perf_counter() - t0)
