@@ -1,4 +1,5 @@
-"""Disk vs tensors-over-HTTP vs broadcast LoRA sync, against the raw limits of the same bytes.
+"""Disk vs tensors over HTTP vs shared memory (shm) vs broadcast LoRA sync, against the raw
+limits of the same bytes.
 
     python -m benchmarks.sync_bench             # Qwen2.5-0.5B shapes, ranks 8 16 64 128
     python -m benchmarks.sync_bench --quick     # tiny model, rank 8, 3 repetitions
@@ -26,10 +27,11 @@ from lora_sync.tiny_model import QWEN_05B_SHAPES, build_tiny_model
 
 from . import limits
 
-TRANSPORTS = ("disk", "disk_shm", "tensors", "broadcast")
+TRANSPORTS = ("disk", "disk_shm", "tensors", "shm", "broadcast")
 # Each transport's reference limits (raw transfer of the same bytes, plus registration) and the
 # summary key of its multiple; tensors also against the engines' own HTTP stack (uvicorn).
 LIMITS = {"tensors": (("http_post", "x_limit"), ("asgi_post", "x_asgi_limit")),
+          "shm": (("memcpy", "x_limit"),),
           "broadcast": (("gloo_broadcast", "x_limit"),)}
 IDLE_S = 1.2
 
@@ -261,24 +263,33 @@ def print_table(rows: list[dict]) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    """One panel per engine: each transport's median (solid) and its limit (dotted, same
+    colour) against the adapter size."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
     rows = result["summary"]
-    colors = dict(zip(TRANSPORTS + ("http_post", "asgi_post", "gloo_broadcast", "memcpy"),
-                      ("tab:purple", "tab:brown", "tab:blue", "tab:red", "tab:blue",
-                       "tab:cyan", "tab:red", "tab:gray")))
-    styles = {"vllm": ("-", "o"), "sglang": ("-.", "s"), "raw": (":", "x")}
-    for engine, transport in sorted({(r["engine"], r["transport"]) for r in rows}):
-        pts = sorted((r["mb"], r["median_s"] * 1e3) for r in rows
-                     if (r["engine"], r["transport"]) == (engine, transport))
-        line, marker = styles.get(engine, ("-", "o"))
-        ax.plot(*zip(*pts), line, marker=marker, color=colors.get(transport),
-                label=f"{engine}: {transport}")
-    ax.set(xlabel="adapter size (MB)", ylabel="sync latency (ms, median)",
-           title="LoRA sync latency vs adapter size", xscale="log", yscale="log")
-    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    engines = sorted({r["engine"] for r in rows} - {"raw"})
+    fig, axes = plt.subplots(1, max(1, len(engines)), figsize=(6 * max(1, len(engines)), 4.2),
+                             sharey=True, squeeze=False)
+    colors = dict(zip(TRANSPORTS, ("tab:purple", "tab:brown", "tab:blue", "tab:green",
+                                   "tab:red")))
+    for ax, engine in zip(axes[0], engines):
+        for transport in TRANSPORTS:
+            mine = sorted((r for r in rows if (r["engine"], r["transport"]) == (engine, transport)),
+                          key=lambda r: r["mb"])
+            if not mine:
+                continue
+            ax.plot([r["mb"] for r in mine], [r["median_s"] * 1e3 for r in mine], "-o",
+                    color=colors[transport], label=transport)
+            limited = [r for r in mine if "limit_s" in r]
+            if limited:
+                ax.plot([r["mb"] for r in limited], [r["limit_s"] * 1e3 for r in limited], ":",
+                        color=colors[transport], label=f"{transport} limit")
+        ax.set(xlabel="adapter size (MB)", title=engine, xscale="log", yscale="log")
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0][0].set_ylabel("sync latency (ms, median)")
+    fig.suptitle("LoRA sync latency vs adapter size (dotted: the transport's limit)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,6 +1,6 @@
 """A small on-policy RL loop whose LoRA is synced into a live vLLM server every step.
 
-    python -m examples.rl_loop --transport tensors      # or broadcast | disk | none
+    python -m examples.rl_loop --transport auto      # or shm | tensors | broadcast | disk | none
 
 The trainer (this process) holds a tiny local causal LM with a PEFT LoRA. Each step it asks
 the server for a group of sampled completions per prompt (model=<alias>), scores them, takes a
@@ -33,7 +33,7 @@ PROMPTS = ["the quick brown", "hello world,", "one two three", "a small model",
 @dataclass
 class LoopConfig:
     steps: int = 30
-    transport: str = "tensors"      # tensors | broadcast | disk | none
+    transport: str = "auto"  # auto (shm on this host, else tensors) | shm | tensors | broadcast | disk | none
     prompts_per_step: int = 4
     group_size: int = 8
     max_tokens: int = 8
@@ -104,7 +104,7 @@ class Syncer:
             if self.version > 1:  # the previous version's rollouts are done: unload it
                 self.client.unload_from_disk(f"{self.cfg.name}-disk{self.version - 1}")
         else:
-            transport = "broadcast" if self.cfg.transport == "broadcast" else "tensors"
+            transport = "auto" if self.cfg.transport == "none" else self.cfg.transport
             [res] = self.client.push(adapter, self.cfg.name, transport=transport)
             self.version, served = res.version, self.cfg.name  # request the alias
         return served, time.perf_counter() - t0

@@ -1,9 +1,70 @@
-"""The error vocabulary shared by both engines' routes and the client."""
+"""The error vocabulary shared by both engines' routes and the client: one enum of codes
+(docs/protocol.md lists them), and one exception class per kind of failure."""
 from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Every code a reply may carry. A code not listed here is a bug (refused at raise)."""
+    # 400: the request itself
+    BAD_REQUEST = "bad_request"
+    BAD_ADAPTER = "bad_adapter"
+    BAD_CONFIG = "bad_config"
+    BAD_SAFETENSORS = "bad_safetensors"
+    BAD_METADATA = "bad_metadata"
+    MISSING_METADATA = "missing_metadata"
+    BAD_NAME = "bad_name"
+    BAD_VERSION = "bad_version"
+    BAD_SHAPE = "bad_shape"
+    BAD_DTYPE = "bad_dtype"
+    RANK_TOO_LARGE = "rank_too_large"
+    UNKNOWN_MODULE = "unknown_module"
+    UNKNOWN_TENSOR = "unknown_tensor"
+    MISSING_TENSOR = "missing_tensor"
+    DUPLICATE_MODULE = "duplicate_module"
+    UNSUPPORTED_MODULE = "unsupported_module"
+    EMPTY_ADAPTER = "empty_adapter"
+    EMPTY_BODY = "empty_body"
+    NON_FINITE = "non_finite"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    ENGINE_REFUSED = "engine_refused"
+    NO_GROUP = "no_group"
+    BAD_LEASE = "bad_lease"
+    SHM_UNREACHABLE = "shm_unreachable"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    # 401 / 403: access
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    ADMIN_CLOSED = "admin_closed"
+    RESERVED_NAME = "reserved_name"
+    TRAINER_NOT_ALLOWED = "trainer_not_allowed"
+    BAD_TOKEN = "bad_token"
+    # 404 / 408 / 409 / 413 / 415 / 429
+    NOT_FOUND = "not_found"
+    VERSION_RETIRED = "version_retired"
+    UNKNOWN_LEASE = "unknown_lease"
+    BODY_TIMEOUT = "body_timeout"
+    VERSION_CONFLICT = "version_conflict"
+    GROUP_EXISTS = "group_exists"
+    LEASE_MAPPED = "lease_mapped"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    BAD_CONTENT_TYPE = "bad_content_type"
+    TOO_BUSY = "too_busy"
+    STAGING_FULL = "staging_full"
+    TOO_MANY_NAMES = "too_many_names"
+    TOO_MANY_GROUPS = "too_many_groups"
+    TOO_MANY_LEASES = "too_many_leases"
+    # 5xx: the server or the path to it
+    INTERNAL_ERROR = "internal_error"
+    WORKER_FAILED = "worker_failed"
+    TRANSFER_FAILED = "transfer_failed"
+    UNREACHABLE = "unreachable"
+    HTTP_ERROR = "http_error"  # a reply without our error shape (a proxy, the engine)
 
 
 class LoRASyncError(Exception):
-    """An error with an HTTP status and a stable machine-readable code."""
+    """An error with an HTTP status and a stable machine-readable code (an ErrorCode)."""
 
     status = 500
     code = "internal_error"
@@ -12,7 +73,7 @@ class LoRASyncError(Exception):
         super().__init__(message)
         self.message = message
         if code:
-            self.code = code
+            self.code = ErrorCode(code).value  # an unlisted code fails here, loudly
         if status:
             self.status = status
 
@@ -48,6 +109,12 @@ class Forbidden(LoRASyncError):
     status, code = 403, "forbidden"
 
 
+class Conflict(LoRASyncError):
+    """The request clashes with the server's state (a group of that name exists, a lease
+    is still mapped) (409)."""
+    status, code = 409, "group_exists"
+
+
 class TooBusy(LoRASyncError):
     """A bounded resource is full (staging bytes, names, pending groups): retry later."""
     status, code = 429, "too_busy"
@@ -63,14 +130,25 @@ class TransferFailed(LoRASyncError):
     status, code = 502, "transfer_failed"
 
 
+# Codes whose exception class is not the one their status alone would give.
+_CLASS_OF_CODE = {"version_conflict": VersionConflict, "group_exists": Conflict,
+                  "lease_mapped": Conflict, "body_timeout": TimedOut,
+                  "transfer_failed": TransferFailed}
+_CLASS_OF_STATUS = {cls.status: cls for cls in (BadAdapter, Unauthorized, Forbidden, NotFound,
+                                                TimedOut, Conflict, PayloadTooLarge, TooBusy,
+                                                TransferFailed)}
+
+
 def error_from_json(status: int, body: dict) -> LoRASyncError:
-    """Rebuilds the error a server replied with (client side)."""
+    """Rebuilds the error a server replied with (client side): by its code first, then by
+    the HTTP status."""
     err = (body or {}).get("error") or body or {}
     msg = err.get("message") if isinstance(err, dict) else str(err)
     msg = msg[:2000] if isinstance(msg, str) else msg  # foreign errors may echo the body
     code = err.get("code") if isinstance(err, dict) else None
-    for cls in (BadAdapter, PayloadTooLarge, VersionConflict, NotFound, Unauthorized,
-                Forbidden, TooBusy, TimedOut, TransferFailed):
-        if cls.status == status:
-            return cls(msg or str(body), code=code)
-    return LoRASyncError(msg or str(body), code=code or "http_error", status=status)
+    if code not in ErrorCode._value2member_map_:
+        code = None  # not ours (an engine's or a proxy's reply)
+    cls = _CLASS_OF_CODE.get(code) or _CLASS_OF_STATUS.get(status)
+    if cls is None:
+        return LoRASyncError(msg or str(body), code=code or "http_error", status=status)
+    return cls(msg or str(body), code=code, status=status)

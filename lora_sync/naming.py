@@ -86,14 +86,14 @@ class VersionBook:
         self.reserved[name] = version
         return version
 
-    def release(self, name: str, version: int) -> None:
+    def unreserve(self, name: str, version: int) -> None:
         """Forget a reservation whose load failed."""
         if self.reserved.get(name) == version:
             del self.reserved[name]
 
     def commit(self, name: str, version: int, keep: int | None = None) -> list[int]:
         """Marks `version` servable; returns versions that fall out of a `keep` window."""
-        self.release(name, version)
+        self.unreserve(name, version)
         vs = self.versions.setdefault(name, [])
         vs.append(version)
         vs.sort()

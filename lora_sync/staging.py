@@ -16,6 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import torch
+
 from . import wire
 from .errors import BadAdapter, PayloadTooLarge, TimedOut, TooBusy
 
@@ -49,9 +51,9 @@ class StagedFile:
     area: "StagingArea"
     path: str
 
-    def release(self, reusable: bool = True) -> None:
+    def close(self, reusable: bool = True) -> None:
         """`reusable`: no worker maps the file any more, so a later body may overwrite it."""
-        (self.area.release if reusable else discard)(self.path)
+        (self.area.recycle if reusable else discard)(self.path)
 
 
 def _too_large(n: int, limit: int) -> PayloadTooLarge:
@@ -75,7 +77,7 @@ class StagingArea:
         self.inflight = 0  # bytes claimed by bodies being received now
         atexit.register(self.close)
 
-    async def stage(self, chunks, limits: BodyLimits,
+    async def receive_body(self, chunks, limits: BodyLimits,
                     content_length: int | None = None) -> StagedBody:
         """Writes an async stream of byte chunks into a file and checks its header. Refuses
         a body above the limit before reading it when Content-Length says so, a body that
@@ -107,15 +109,15 @@ class StagingArea:
             # requests must not wait for it.
             header = await asyncio.to_thread(wire.parse_header, memoryview(head), n)
         except BaseException:
-            self.release(path)
+            self.recycle(path)
             raise
         finally:
             os.close(fd)
             self.inflight -= claimed
         return StagedBody(path, n, header)
 
-    def release(self, path: str) -> None:
-        """Call once no worker uses the file (its adapter was dropped or never built)."""
+    def recycle(self, path: str) -> None:
+        """Call once no worker uses the file (its adapter was freed or never built)."""
         if len(self.free) < self.spare and os.path.exists(path):
             self.free.append(path)
         else:
@@ -145,7 +147,7 @@ async def _paced(chunks, limits: BodyLimits, nbytes: int):
 
 
 def discard(path: str) -> None:
-    """Unlinks a file; workers that map it keep their pages until they drop the adapter."""
+    """Unlinks a file; workers that map it keep their pages until they free the adapter."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -170,6 +172,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor] | None:
+    """A sealed body (a committed shm lease) is copied, not mapped: a private mapping of it
+    would copy each page the engine writes (it scales lora_B in place) into fresh memory, and
+    fresh pages are the slow part here. One read into `take_buffer(nbytes)`, a reused buffer,
+    costs about as much as a memcpy. Returns None when `path` is not sealed."""
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        if not is_sealed(fd):
+            return None
+        header = read_header(fd, os.fstat(fd).st_size)
+        buf = take_buffer(header.total_bytes - header.data_start)
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < len(view):  # a read may return less than asked
+            n = os.preadv(fd, [view[done:]], header.data_start + done)
+            if n <= 0:
+                raise BadAdapter("the sealed body ended early", code="bad_safetensors")
+            done += n
+    return header, wire.view_tensors(view, header, data_only=True), buf
+
+
 def open_staged(path: str, only_reader: bool = False):
     """Maps a staged body; returns (header, tensors viewing the mapping). The mapping lives
     as long as the tensors do, even after the file is unlinked.
@@ -179,8 +202,7 @@ def open_staged(path: str, only_reader: bool = False):
     reader maps it shared and writes into the file itself; several readers (tensor-parallel
     ranks) must each keep a private copy."""
     with open(path, "r+b" if only_reader else "rb") as f:
-        if only_reader and not is_sealed(f.fileno()):
-            # every page gets read: map them all now (one call, not a fault each)
+        if only_reader:  # every page gets read: map them all now (one call, not a fault each)
             buf = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
         else:

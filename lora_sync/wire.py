@@ -193,9 +193,10 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
     return Header(meta, [e[2] for e in entries], [(e[0], e[1]) for e in entries], hlen)
 
 
-def view_tensors(buf, header: Header) -> dict[str, torch.Tensor]:
+def view_tensors(buf, header: Header, data_only: bool = False) -> dict[str, torch.Tensor]:
     """Tensors viewing `buf` in place (zero copy). `buf` must be writable (bytearray,
-    mmap) and outlive the tensors."""
+    mmap) and outlive the tensors. `data_only`: `buf` holds the data area alone."""
+    base = 0 if data_only else header.data_start
     out = {}
     for spec, (begin, end) in zip(header.specs, header.offsets):
         dtype = DTYPES[spec.dtype]
@@ -203,7 +204,7 @@ def view_tensors(buf, header: Header) -> dict[str, torch.Tensor]:
         if count == 0:
             out[spec.name] = torch.empty(spec.shape, dtype=dtype)
             continue
-        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=header.data_start + begin)
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin)
         out[spec.name] = t.view(spec.shape)
     return out
 

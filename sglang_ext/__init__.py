@@ -1,3 +1,4 @@
 """lora-sync for SGLang: plugin (routes + scheduler handlers), engine bridge and launcher."""
+from lora_sync.server.pins import SUPPORTED
 
-TESTED_SGLANG = "0.5.23"  # the version engine_api.py was written against
+TESTED_SGLANG = list(SUPPORTED["SGLang"])[-1]  # the pin lives in pins.SUPPORTED (newest here)

@@ -27,8 +27,8 @@ class SGLangBridge(EngineBridge):
     def new_adapter_id(self) -> int:
         return next(self._ids)
 
-    async def stage_from_shm(self, adapter_id, path, config, checksum):
-        return await self._call("stage", adapter_id=adapter_id, path=path, config=config,
+    async def take_staged(self, adapter_id, path, config, checksum):
+        return await self._call("take_staged", adapter_id=adapter_id, path=path, config=config,
                                 checksum=checksum)
 
     async def receive(self, adapter_id, group_name, specs, config, bucket_bytes, checksum,
@@ -54,8 +54,8 @@ class SGLangBridge(EngineBridge):
     async def in_use(self, adapter_id, served_name):
         return engine_api.adapter_in_use(self.tm, engine_api.lora_id_of(adapter_id))
 
-    async def drop(self, adapter_ids):
-        await self._call("drop", adapter_ids=list(adapter_ids))
+    async def free(self, adapter_ids):
+        await self._call("free", adapter_ids=list(adapter_ids))
         for i in adapter_ids:
             engine_api.forget_usage(self.tm, engine_api.lora_id_of(i))
 

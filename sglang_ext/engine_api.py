@@ -1,4 +1,4 @@
-"""Every touch of SGLang's private API, in one place, for the pinned version.
+"""Every touch of SGLang's private API, in one place, for the supported version.
 
 HTTP process: the tokenizer manager (its scheduler channel and LoRA registry) and the app.
 Scheduler process: the request dispatcher and the LoRA manager of its model runner.
@@ -11,10 +11,66 @@ from typing import Any, Callable, Dict
 import msgspec
 from sglang.srt.managers.io_struct import BaseReq
 
-from lora_sync.server.pins import require_tested
+from lora_sync.server.pins import require_supported
 
-from . import TESTED_SGLANG
 LORA_PATH_MARK = "__lora_sync__"  # never a real path: SGLang must not re-load these from disk
+
+
+# Every private SGLang symbol this module touches. scripts/drift_check.py looks each up in a
+# release's sources (syntax in its docstring: "(a, *, b)" = how we call it) and fails when
+# this module uses an engine import or private name missing here.
+TOUCHED = (
+    # Hooks and the scheduler's message dispatch
+    "sglang.srt.managers.io_struct:BaseReq",
+    "sglang.srt.plugins.hook_registry:HookRegistry.register(target, hook, hook_type)",
+    "sglang.srt.plugins.hook_registry:HookType.AFTER",
+    "sglang.srt.managers.scheduler:Scheduler.init_request_dispatcher()",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.init_request_dispatcher()",
+    "sglang.utils:TypeBasedDispatcher(mapping)",
+    "sglang.utils:TypeBasedDispatcher.__iadd__(other)",
+    "sglang.srt.managers.scheduler:Scheduler._request_dispatcher",
+    "sglang.srt.runtime_context:get_parallel()",
+    "sglang.srt.runtime_context:ParallelContext.tp_rank",
+    "sglang.srt.runtime_context:ParallelContext.tp_size",
+    # Scheduler: the LoRA manager of its model runner
+    "sglang.srt.managers.scheduler:Scheduler.tp_worker",
+    "sglang.srt.managers.tp_worker:TpModelWorker.model_runner",
+    "sglang.srt.model_executor.model_runner:ModelRunner.lora_manager",
+    "sglang.srt.lora.lora_registry:LoRARef(*, lora_id, lora_name, lora_path, pinned)",
+    "sglang.srt.lora.lora_manager:LoRAManager.load_lora_adapter_from_tensors("
+    "lora_ref, tensors, config_dict)",
+    "sglang.srt.managers.io_struct:LoRAUpdateOutput.success",
+    "sglang.srt.managers.io_struct:LoRAUpdateOutput.error_message",
+    "sglang.srt.lora.lora_manager:LoRAManager.unload_lora_adapter(lora_ref)",
+    "sglang.srt.lora.lora_manager:LoRAManager.lora_refs",
+    "sglang.srt.lora.lora_manager:LoRAManager.configs",
+    "sglang.srt.lora.lora_manager:LoRAManager.loras",
+    # HTTP process: the tokenizer manager's scheduler channel, registry and the app
+    "sglang.srt.managers.communicator:FanOutCommunicator(send, fan_out)",
+    "sglang.srt.managers.communicator:FanOutCommunicator.__call__(obj)",
+    "sglang.srt.managers.communicator:FanOutCommunicator.handle_recv(recv_obj)",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager._dispatch_to_scheduler(obj)",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager._result_dispatcher",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.auto_create_handle_loop()",
+    "sglang.srt.entrypoints.http_server:app",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.model_config",
+    "sglang.srt.configs.model_config:ModelConfig.hf_config",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.server_args",
+    "sglang.srt.arg_groups.fields.lora:Lora.max_lora_rank",
+    "sglang.srt.arg_groups.fields.parallel:Parallel.tp_size",
+    "sglang.srt.arg_groups.fields.serving:Serving.api_key",
+    "sglang.srt.arg_groups.fields.serving:Serving.admin_api_key",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.lora_registry",
+    "sglang.srt.lora.lora_registry:LoRARegistry.register(lora_ref)",
+    "sglang.srt.lora.lora_registry:LoRARegistry.unregister(lora_name)",
+    "sglang.srt.lora.lora_registry:LoRARegistry.get_all_adapters()",
+    "sglang.srt.lora.lora_registry:LoRARegistry._counters",
+    "sglang.srt.utils.common:ConcurrentCounter.value()",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.rid_to_state",
+    "sglang.srt.managers.tokenizer_manager:ReqState.obj",
+    "sglang.srt.utils.auth:AuthLevel.ADMIN_OPTIONAL",
+    "sglang.srt.utils.auth:auth_level(level)",
+)
 
 
 class LoRASyncReq(BaseReq, kw_only=True):
@@ -28,7 +84,7 @@ class LoRASyncOut(BaseReq, kw_only=True):
 
 def check_version() -> str:
     import sglang
-    return require_tested("SGLang", sglang.__version__, TESTED_SGLANG)
+    return require_supported("SGLang", sglang.__version__)
 
 
 def register_hooks(on_scheduler: Callable, on_tokenizer_manager: Callable) -> None:

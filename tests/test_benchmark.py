@@ -30,6 +30,7 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
         assert rows[(engine, "tensors")]["x_asgi_limit"] > 0
         assert rows[(engine, "broadcast")]["speedup_over_disk"] > 0
         assert rows[(engine, "broadcast")]["cold_s"] > 0
+        assert rows[(engine, "shm")]["x_limit"] > 0
         assert set(rows[(engine, "tensors")]["phases_s"]) >= {"receive", "worker", "handoff",
                                                               "register", "total"}
     assert (out / "results.png").stat().st_size > 0

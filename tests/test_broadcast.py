@@ -150,8 +150,10 @@ def test_tensor_parallel_2_broadcast_and_tensors_match_disk(vllm_tp2, make_adapt
         c.broadcast(adapter, "bc")
         c.destroy_group()
         c.push_tensors(adapter, "t")
+        [res] = c.push(adapter, "s", transport="shm")  # both TP ranks map the sealed lease
+        assert res.transport == "shm"
         disk = greedy(c, "disk")
-        assert greedy(c, "bc") == disk == greedy(c, "t") != greedy(c, "base")
+        assert greedy(c, "bc") == disk == greedy(c, "t") == greedy(c, "s") != greedy(c, "base")
 
 
 def test_one_client_drives_vllm_and_sglang(vllm, sglang, make_adapter):
@@ -163,6 +165,8 @@ def test_one_client_drives_vllm_and_sglang(vllm, sglang, make_adapter):
         pushed = c.push_tensors(adapter, "both")
         assert [r.name for r in pushed] == ["both-v1", "both-v1"]
         assert set(pushed[0].reply) == set(pushed[1].reply)
+        leased = c.push(adapter, "both-shm", transport="shm")  # same replies as HTTP
+        assert set(leased[0].reply) == set(leased[1].reply) == set(pushed[0].reply)
         c.init_group()
         cast = c.broadcast(make_adapter(seed=112), "both")
         assert [r.name for r in cast] == ["both-v2", "both-v2"]

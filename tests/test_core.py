@@ -123,7 +123,7 @@ def test_names_and_versions():
     assert book.reserve("p", 5) == 5
     with pytest.raises(VersionConflict):
         book.reserve("p", 4)  # 5 is in flight
-    book.release("p", 5)
+    book.unreserve("p", 5)
     with pytest.raises(VersionConflict):
         book.reserve("p", 1)
     for v in (2, 3, 4):
@@ -250,3 +250,36 @@ def test_group_requests_are_typed(body):
     from lora_sync.server.requests import InitGroupRequest
     with pytest.raises(BadAdapter):
         InitGroupRequest.from_json(body)
+
+
+def test_errors_are_rebuilt_by_code_first():
+    from lora_sync.errors import (Conflict, ErrorCode, LoRASyncError, TransferFailed,
+                                  Unauthorized, VersionConflict, error_from_json)
+
+    def rebuilt(status, code):
+        return error_from_json(status, {"error": {"code": code, "message": "m"}})
+    assert type(rebuilt(409, "group_exists")) is Conflict  # once a VersionConflict
+    assert type(rebuilt(409, "version_conflict")) is VersionConflict
+    assert type(rebuilt(502, "transfer_failed")) is TransferFailed
+    assert rebuilt(500, "worker_failed").code == "worker_failed"
+    # foreign replies (the engine's own key middleware) go by status
+    assert type(error_from_json(401, {"error": "Unauthorized"})) is Unauthorized
+    assert rebuilt(418, "no_such_code").code == "http_error"
+    with pytest.raises(ValueError):
+        LoRASyncError("x", code="made_up_code")
+    assert ErrorCode("lease_mapped") is ErrorCode.LEASE_MAPPED
+
+
+def test_a_worker_bug_is_a_500_and_an_engine_refusal_a_400():
+    from worker_extensions.receiver import engine_refusal, reply
+
+    def engine_says_no():
+        raise ValueError("target module not supported")
+
+    def bug():
+        raise KeyError("oops")
+    refused = reply(engine_refusal, engine_says_no)
+    assert (refused["status"], refused["code"]) == (400, "engine_refused")
+    crashed = reply(bug)
+    assert (crashed["status"], crashed["code"]) == (500, "worker_failed")
+    assert "KeyError" in crashed["message"]

@@ -18,7 +18,7 @@ def loop(server, model_dir, workdir, transport, name, steps):
     return run(cfg)
 
 
-@pytest.mark.parametrize("transport", ["tensors", "broadcast"])
+@pytest.mark.parametrize("transport", ["tensors", "shm", "broadcast"])
 def test_reward_rises_when_lora_is_synced(server, model_dir, workdir, transport):
     log = loop(server, model_dir, workdir, transport, f"rl-{transport}", steps=24)
     first, last = summary(log, k=3)

@@ -28,8 +28,8 @@ class VLLMBridge(EngineBridge):
     def new_adapter_id(self) -> int:
         return engine_api.next_lora_id(self.state)
 
-    async def stage_from_shm(self, adapter_id, path, config, checksum):
-        return await self._rpc("lora_sync_stage", path, adapter_id, config, checksum)
+    async def take_staged(self, adapter_id, path, config, checksum):
+        return await self._rpc("lora_sync_take_staged", path, adapter_id, config, checksum)
 
     async def receive(self, adapter_id, group_name, specs, config, bucket_bytes, checksum,
                       timeout_s):
@@ -53,8 +53,8 @@ class VLLMBridge(EngineBridge):
     async def in_use(self, adapter_id, served_name):
         return engine_api.adapter_in_use(self.engine, adapter_id)
 
-    async def drop(self, adapter_ids):
-        await self._rpc("lora_sync_drop", list(adapter_ids))
+    async def free(self, adapter_ids):
+        await self._rpc("lora_sync_free", list(adapter_ids))
 
     async def init_group(self, group_name, host, port, rank_offset, world_size, backend,
                          timeout_s):

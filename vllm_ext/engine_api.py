@@ -1,19 +1,96 @@
-"""Every touch of vLLM's private API, in one place, for the pinned version.
+"""Every touch of vLLM's private API, in one place, for the supported versions.
 
 API-process side: the serving layer's name -> LoRARequest table and the engine client.
 Worker side: the LoRA manager, LoRAModel construction and the in-memory adapter loader.
 """
 from __future__ import annotations
 
-from lora_sync.server.pins import require_tested
+from functools import lru_cache
 
-TESTED_VLLM = "0.32.0"
+from lora_sync.server.pins import require_supported
+
 LORA_PATH_SCHEME = "lora-sync://"  # marks our adapters' paths: never read from disk
+
+# What differs between supported releases (pins.SUPPORTED says how each was tested).
+# lora_checks: the checks vLLM's disk loader (`WorkerLoRAManager._load_adapter`) runs on a
+# built LoRAModel; build_lora_model runs the same ones.
+BY_VERSION = {
+    "0.32.0": {"lora_checks": ("_validate_moe_lora_format", "_validate_modules_to_save",
+                               "_validate_token_classification_lora")},
+    "0.33.0": {"lora_checks": ("_validate_moe_lora_format",
+                               "_validate_classification_head_lora")},
+}
+# scripts/drift_check.py checks that each row's lora_checks are the `_validate_*` calls that
+# release's disk loader makes, in order: a check added upstream shows up as drift.
+MIRRORS = {"lora_checks": ("vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",
+                           "_validate_")}
+
+# Every private vLLM symbol this module touches. scripts/drift_check.py looks each up in a
+# release's sources (syntax in its docstring: "(a, *, b)" = how we call it, "[v]" = only in
+# v) and fails when this module uses an engine import or private name missing here.
+TOUCHED = (
+    # API process: the serving layer's adapter table and the engine client
+    "vllm.lora.request:LoRARequest(*, lora_name, lora_int_id, lora_path)",
+    "vllm.entrypoints.launchers.api_server.app_state:init_app_state.openai_serving_models",
+    "vllm.entrypoints.openai.models.serving:OpenAIServingModels.lora_requests",
+    "vllm.entrypoints.openai.models.serving:OpenAIServingModels.lora_id_counter",
+    "vllm.utils.counter:AtomicCounter.inc(num)",
+    "vllm.v1.engine.async_llm:AsyncLLM.output_processor",
+    "vllm.v1.engine.output_processor:OutputProcessor.request_states",
+    "vllm.v1.engine.output_processor:RequestState.lora_request",
+    "vllm.v1.engine.async_llm:AsyncLLM.add_lora(lora_request)",
+    "vllm.v1.engine.async_llm:AsyncLLM.collective_rpc(method, *, timeout, args)",
+    "vllm.v1.engine.async_llm:AsyncLLM.model_config",
+    "vllm.v1.engine.async_llm:AsyncLLM.vllm_config",
+    "vllm.config.model:ModelConfig.hf_config",
+    "vllm.config.vllm:VllmConfig.lora_config",
+    "vllm.config.vllm:VllmConfig.parallel_config",
+    "vllm.config.lora:LoRAConfig.max_lora_rank",
+    "vllm.config.parallel:ParallelConfig.world_size",
+    # Worker: its LoRA manager and vLLM's own LoRAModel construction
+    "vllm.v1.worker.cpu_worker:CPUWorker.model_runner",
+    "vllm.v1.worker.cpu_worker:CPUWorker.rank",
+    "vllm.v1.worker.cpu_worker:CPUWorker.vllm_config",
+    "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.lora_manager",
+    "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.lora_config",
+    "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.vocab_size",
+    "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.max_position_embeddings",
+    "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager._adapter_manager",
+    "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager._lora_model_cls",
+    "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager._load_adapter(lora_request)",
+    "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.remove_adapter(adapter_id)",
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager.model",
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager._validate_moe_lora_format(lora_model)",
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager._validate_modules_to_save(lora_model)"
+    " [0.32.0]",
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager._validate_token_classification_lora("
+    "lora_model) [0.32.0]",
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager._validate_classification_head_lora("
+    "lora_model) [0.33.0]",
+    "vllm.lora.peft_helper:PEFTHelper.from_dict(config_dict)",
+    "vllm.lora.peft_helper:PEFTHelper.vllm_max_position_embeddings",
+    "vllm.lora.peft_helper:PEFTHelper.validate_legal(lora_config)",
+    "vllm.config.lora:LoRAConfig.lora_dtype",
+    "vllm.lora.lora_model:LoRAModel.from_lora_tensors(*, lora_model_id, tensors, peft_helper,"
+    " device, dtype, model_vocab_size, weights_mapper, skip_prefixes)",
+    "vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper()",
+)
 
 
 def check_version() -> str:
     import vllm
-    return require_tested("vLLM", vllm.__version__, TESTED_VLLM)
+    return require_supported("vLLM", vllm.__version__)
+
+
+@lru_cache(maxsize=1)
+def release() -> dict:
+    """BY_VERSION's row for the installed vLLM; the newest row when the operator overrode
+    the pin for an unsupported version (the closest guess)."""
+    import vllm
+    version = vllm.__version__.split("+")[0]
+    if version in BY_VERSION:
+        return BY_VERSION[version]
+    return BY_VERSION[max(BY_VERSION, key=lambda v: tuple(int(x) for x in v.split(".")))]
 
 
 # ---------------------------------------------------------------- API-process side
@@ -128,7 +205,8 @@ def build_lora_model(manager, lora_int_id: int, tensors: dict, config: dict):
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
         weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-    manager._adapter_manager._validate_modules_to_save(lora)
+    for check in release()["lora_checks"]:
+        getattr(manager._adapter_manager, check)(lora)
     return lora
 
 

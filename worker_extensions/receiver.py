@@ -13,8 +13,8 @@ import torch
 
 from lora_sync import collective
 from lora_sync.adapter import tensors_checksum
-from lora_sync.errors import BadAdapter, LoRASyncError, TransferFailed
-from lora_sync.staging import open_staged, write_notice
+from lora_sync.errors import BadAdapter, Conflict, LoRASyncError, TransferFailed
+from lora_sync.staging import open_staged, read_sealed, write_notice
 from lora_sync.wire import DTYPES, TensorSpec
 
 
@@ -35,19 +35,26 @@ class WorkerState:
     # Groups being set up on a background thread: name -> the set-up that may finish it.
     pending: dict[str, object] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
-    # Buckets of the last dropped adapter, for the next broadcast to receive into: filling
+    # Buckets of the last freed adapter, for the next broadcast to receive into: filling
     # memory that is already mapped is several times cheaper than fresh pages (docs/protocol.md).
     spare: list[torch.Tensor] = field(default_factory=list)
-    # A busy version is dropped when its last request ends, maybe while a receive runs.
+    # A busy version is freed when its last request ends, maybe while a receive runs.
     spare_lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- intake ---------------------------------------------------------------------
-    def stage_from_shm(self, path: str, config: dict, checksum: str | None = None,
+    def take_staged(self, path: str, config: dict, checksum: str | None = None,
                        only_reader: bool = False) -> StoredAdapter:
-        """Views the staged body in place: the tensors share its mapping (see `open_staged`)."""
-        header, tensors = open_staged(path, only_reader)
+        """Views the staged body in place: the tensors share its mapping (see `open_staged`);
+        a sealed one (shm) is read into a reused buffer instead (see `read_sealed`)."""
+        sealed = read_sealed(path, lambda n: self._take_spare(torch.uint8, n, "cpu"))
+        if sealed is not None:
+            header, tensors, buf = sealed
+            buffers = [buf]
+        else:
+            (header, tensors), buffers = open_staged(path, only_reader), []
         check_intake(tensors, checksum)
-        return StoredAdapter(tensors, config, header.total_bytes - header.data_start)
+        return StoredAdapter(tensors, config, header.total_bytes - header.data_start,
+                             buffers=buffers)
 
     def receive(self, group_name: str, specs: list[dict], config: dict, bucket_bytes: int,
                 checksum: str | None = None) -> StoredAdapter:
@@ -78,7 +85,7 @@ class WorkerState:
                     return self.spare.pop(i)
         return torch.empty(numel, dtype=dtype, device=device)
 
-    def drop(self, adapter_id: int) -> None:
+    def free(self, adapter_id: int) -> None:
         """Forgets an adapter the engine no longer serves; its buckets become the spares."""
         stored = self.adapters.pop(adapter_id, None)
         if stored is not None and stored.buffers:
@@ -104,8 +111,7 @@ class WorkerState:
         `notice_path`; a group that comes up after the API gave up is shut down."""
         with self.groups_lock:
             if group_name in self.groups or group_name in self.pending:
-                raise LoRASyncError(f"group {group_name!r} already exists", code="group_exists",
-                                    status=409)
+                raise Conflict(f"group {group_name!r} already exists", code="group_exists")
             setup = self.pending[group_name] = object()
         deadline = time.monotonic() + timeout_s
 
@@ -186,5 +192,15 @@ def reply(fn, *args, **kwargs) -> dict:
         return {"ok": True, "ms": (time.perf_counter() - t0) * 1e3, **out}
     except LoRASyncError as e:
         return {"ok": False, "status": e.status, "code": e.code, "message": e.message}
-    except ValueError as e:  # the engine's own adapter checks
-        return {"ok": False, "status": 400, "code": "bad_adapter", "message": str(e)}
+    except Exception as e:  # a bug of ours or the engine's, not the client's: a 5xx
+        return {"ok": False, "status": 500, "code": "worker_failed",
+                "message": f"worker failed: {type(e).__name__}: {str(e)[:1000]}"}
+
+
+def engine_refusal(fn, *args):
+    """Runs the engine's own build/register step: its ValueError is its verdict on the
+    adapter (a 400 naming it), anything else stays a worker failure."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise BadAdapter(f"the engine refused the adapter: {e}", code="engine_refused") from e

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sglang_ext import engine_api
 
-from .receiver import WorkerState, reply
+from .receiver import WorkerState, engine_refusal, reply
 
 
 class SchedulerExtension:
@@ -31,9 +31,9 @@ class SchedulerExtension:
                 "cached_ids": engine_api.loaded_ids(self.scheduler),
                 "held_ids": sorted(self.state.adapters), "groups": self.state.group_names()}
 
-    def op_stage(self, adapter_id: int, path: str, config: dict, checksum=None) -> dict:
+    def op_take_staged(self, adapter_id: int, path: str, config: dict, checksum=None) -> dict:
         _, world = engine_api.scheduler_rank(self.scheduler)
-        return reply(lambda: self._keep(adapter_id, self.state.stage_from_shm(
+        return reply(lambda: self._keep(adapter_id, self.state.take_staged(
             path, config, checksum, only_reader=world == 1)))
 
     def op_receive(self, adapter_id: int, group_name: str, specs: list, config: dict,
@@ -47,14 +47,14 @@ class SchedulerExtension:
     def op_register(self, adapter_id: int) -> dict:
         def register():
             stored = self.state.adapters[adapter_id]
-            engine_api.load_adapter(self.scheduler, engine_api.lora_id_of(adapter_id),
-                                    stored.tensors, stored.config)
+            engine_refusal(engine_api.load_adapter, self.scheduler,
+                           engine_api.lora_id_of(adapter_id), stored.tensors, stored.config)
         return reply(register)
 
-    def op_drop(self, adapter_ids: list) -> dict:
+    def op_free(self, adapter_ids: list) -> dict:
         for i in adapter_ids:
             engine_api.unload_adapter(self.scheduler, engine_api.lora_id_of(i))
-            self.state.drop(i)
+            self.state.free(i)
         return {"ok": True, "held": len(self.state.adapters)}
 
     def op_init_group(self, group_name: str, host: str, port: int, rank_offset: int,

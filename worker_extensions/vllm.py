@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from vllm_ext import engine_api
 
-from .receiver import WorkerState, reply
+from .receiver import WorkerState, engine_refusal, reply
 
 
 class LoRASyncWorkerExtension:
@@ -27,8 +27,9 @@ class LoRASyncWorkerExtension:
         # Build now so a bad adapter fails here, before it is ever published. The built
         # LoRAModel is what vLLM gets on every (re)load: merging it again after an LRU
         # eviction is a no-op (already packed and scaled), so no copy is kept or rebuilt.
-        stored.built = engine_api.build_lora_model(
-            engine_api.worker_lora_manager(self), lora_int_id, stored.tensors, stored.config)
+        stored.built = engine_refusal(
+            engine_api.build_lora_model, engine_api.worker_lora_manager(self), lora_int_id,
+            stored.tensors, stored.config)
         self._lora_sync_state().adapters[lora_int_id] = stored
         return {"bytes": stored.nbytes}
 
@@ -39,11 +40,11 @@ class LoRASyncWorkerExtension:
                 "held_ids": sorted(self._lora_sync_state().adapters),
                 "groups": self._lora_sync_state().group_names()}
 
-    def lora_sync_stage(self, path: str, lora_int_id: int, config: dict,
+    def lora_sync_take_staged(self, path: str, lora_int_id: int, config: dict,
                         checksum: str | None = None) -> dict:
         _, world = engine_api.worker_rank(self)
         return reply(lambda: self._lora_sync_keep(lora_int_id, self._lora_sync_state(
-            ).stage_from_shm(path, config, checksum, only_reader=world == 1)))
+            ).take_staged(path, config, checksum, only_reader=world == 1)))
 
     def lora_sync_receive(self, group_name: str, lora_int_id: int, specs: list, config: dict,
                           bucket_bytes: int, checksum: str | None, notice_paths: list) -> dict:
@@ -54,12 +55,12 @@ class LoRASyncWorkerExtension:
             specs, config, bucket_bytes, checksum)
         return {"ok": True}
 
-    def lora_sync_drop(self, lora_int_ids: list) -> dict:
+    def lora_sync_free(self, lora_int_ids: list) -> dict:
         """Forgets adapters: the worker's LoRA cache entry and our in-memory copy."""
         state, manager = self._lora_sync_state(), engine_api.worker_lora_manager(self)
         for i in lora_int_ids:
             engine_api.remove_worker_adapter(manager, i)
-            state.drop(i)
+            state.free(i)
         return {"ok": True, "held": len(state.adapters)}
 
     def lora_sync_init_group(self, group_name: str, host: str, port: int, rank_offset: int,

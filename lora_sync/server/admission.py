@@ -5,7 +5,7 @@ many routes that read them (vLLM: every OpenAI, Anthropic, SageMaker and token r
 `model`; SGLang also reads `lora_path`, a list of them, or `parameters.lora_path`). So
 admission does not go by route: on every route it reads the places an adapter can be named,
 resolves the alias to the newest servable version, rewrites the request to name exactly that
-version and counts it in flight until the response ends. A retired version is dropped from
+version and counts it in flight until the response ends. A retired version is freed from
 the engine only when its last request finishes (and the engine itself has none left on it).
 
 Two more jobs, because they sit on the same path:
@@ -83,7 +83,7 @@ class AdmissionMiddleware:
             await self.app(scope, _replay(body, receive), send_with_version)
         finally:
             for a in admitted:
-                service.release(a.served_name)
+                service.finish_request(a.served_name)
 
     def _native_route(self, scope) -> NativeRoute | None:
         method, path = scope["method"], scope["path"]
@@ -135,7 +135,7 @@ class AdmissionMiddleware:
         finally:
             if not ok:
                 for a in admitted:
-                    service.release(a.served_name)
+                    service.finish_request(a.served_name)
         if admitted and request:
             body = json.dumps(request).encode()
             scope = _with_header(scope, b"content-length", str(len(body)))

@@ -19,7 +19,7 @@ class EngineBridge(ABC):
         """A fresh engine-wide integer id for a new version."""
 
     @abstractmethod
-    async def stage_from_shm(self, adapter_id: int, path: str, config: dict,
+    async def take_staged(self, adapter_id: int, path: str, config: dict,
                              checksum: str | None) -> list[dict]:
         """Every worker takes the adapter from a staged shared-memory body (verifying
         `checksum` if given); returns one reply per worker (its own time in 'ms')."""
@@ -44,10 +44,10 @@ class EngineBridge(ABC):
     @abstractmethod
     async def in_use(self, adapter_id: int, served_name: str) -> bool:
         """Whether the engine still has a request (queued, running or on its way in) on
-        this adapter: it must not be dropped before that request ends."""
+        this adapter: it must not be freed before that request ends."""
 
     @abstractmethod
-    async def drop(self, adapter_ids: list[int]) -> None:
+    async def free(self, adapter_ids: list[int]) -> None:
         """Frees the engine's and the workers' copies."""
 
     @abstractmethod

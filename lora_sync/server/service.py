@@ -98,7 +98,7 @@ class AdapterRecord:
     load_ms: float
     loaded_at: float = field(default_factory=time.time)
     inflight: int = 0          # admitted requests not yet finished
-    retired: bool = False      # out of the window: no new requests, dropped when idle
+    retired: bool = False      # out of the window: no new requests, freed when idle
     hold: object = field(default=None, repr=False)  # the staged body workers map
 
 
@@ -166,7 +166,7 @@ class AdapterService:
         t0 = time.perf_counter()
         settle_ms = await self._settle()
         t_recv = time.perf_counter()
-        staged = await self.staging.stage(chunks, self.settings.body_limits, content_length)
+        staged = await self.staging.receive_body(chunks, self.settings.body_limits, content_length)
         return await self._load_staged(staged, StagedFile(self.staging, staged.path), "tensors",
                                        t0, settle=settle_ms,
                                        receive=(time.perf_counter() - t_recv) * 1e3)
@@ -189,7 +189,7 @@ class AdapterService:
         try:
             header = await asyncio.to_thread(read_header, sealed.fd, sealed.nbytes)
         except BaseException:
-            sealed.release()
+            sealed.close()
             raise
         staged = StagedBody(sealed.path, sealed.nbytes, header)
         reply = await self._load_staged(staged, sealed, "shm", t0, settle=settle_ms,
@@ -214,16 +214,16 @@ class AdapterService:
             cfg = check_adapter(staged.header.specs, parse_config(meta.get(META_CONFIG)),
                                 await self.model_spec())
 
-            async def stage(adapter_id):
-                return await self.bridge.stage_from_shm(adapter_id, staged.path, cfg, checksum)
+            async def intake(adapter_id):
+                return await self.bridge.take_staged(adapter_id, staged.path, cfg, checksum)
             nbytes = staged.nbytes - staged.header.data_start
-            reply = await self._install(name, version, cfg, nbytes, transport, stage, t0, hold)
+            reply = await self._install(name, version, cfg, nbytes, transport, intake, t0, hold)
             kept = True  # the workers now map the file: it goes back when the version does
             reply["timings_ms"].update(timings_ms)
             return reply
         finally:
             if not kept:
-                hold.release()
+                hold.close()
 
     async def load_from_distributed(self, body: dict) -> dict:
         t0 = time.perf_counter()
@@ -244,7 +244,7 @@ class AdapterService:
         reply["timings_ms"]["settle"] = settle_ms
         return reply
 
-    async def _install(self, name, version_req, cfg, nbytes, transport, stage, t0,
+    async def _install(self, name, version_req, cfg, nbytes, transport, intake, t0,
                        hold=None) -> dict:
         t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
@@ -257,12 +257,12 @@ class AdapterService:
             t1 = time.perf_counter()
             try:
                 served = naming.versioned(name, version)
-                worker_ms = max(r.get("ms", 0.0) for r in await stage(adapter_id))
+                worker_ms = max(r.get("ms", 0.0) for r in await intake(adapter_id))
                 t2 = time.perf_counter()
                 handle = await self.bridge.activate(served, adapter_id)
             except BaseException:
-                self.book.release(name, version)
-                await asyncio.shield(self._forget([adapter_id]))
+                self.book.unreserve(name, version)
+                await asyncio.shield(self._free_engine_copies([adapter_id]))
                 raise
             t3 = time.perf_counter()
             # The engine's table gets the version only; the alias lives here and admission
@@ -313,15 +313,15 @@ class AdapterService:
         rec.inflight += 1
         return rec
 
-    def release(self, served_name: str) -> None:
+    def finish_request(self, served_name: str) -> None:
         rec = self.records.get(served_name)
         if rec is None:
             return
         rec.inflight -= 1
         if rec.retired and rec.inflight == 0:
-            self._drop(rec)
+            self._free_when_idle(rec)
 
-    def _drop(self, rec: AdapterRecord) -> None:
+    def _free_when_idle(self, rec: AdapterRecord) -> None:
         """Unlists a version now; frees its engine copies in the background, once the engine
         itself has no request on it."""
         if self.records.get(rec.served_name) is not rec or rec.served_name in self._draining:
@@ -343,15 +343,15 @@ class AdapterService:
         task = asyncio.current_task()
         self._freeing.add(task)
         try:
-            dropped = await self._forget([rec.adapter_id])
+            freed = await self._free_engine_copies([rec.adapter_id])
             if rec.hold is not None:
                 # Reuse the file only once no worker serves from it; else just let it go.
-                rec.hold.release(reusable=dropped)
+                rec.hold.close(reusable=freed)
         finally:
             self._freeing.discard(task)
 
     async def _settle(self) -> float:
-        """Waits until dropped versions are freed (overlaps the trainer's step in practice),
+        """Waits until retired versions are freed (overlaps the trainer's step in practice),
         so the push can reuse their memory; returns the milliseconds waited. Versions still
         busy in the engine are not waited for."""
         t0 = time.perf_counter()
@@ -359,22 +359,22 @@ class AdapterService:
             await asyncio.gather(*list(self._freeing), return_exceptions=True)
         return (time.perf_counter() - t0) * 1e3
 
-    async def _forget(self, adapter_ids: list[int]) -> bool:
+    async def _free_engine_copies(self, adapter_ids: list[int]) -> bool:
         try:
-            await self.bridge.drop(adapter_ids)
+            await self.bridge.free(adapter_ids)
             return True
         except Exception:  # best effort: nothing was published for these ids
             return False
 
     def _retire(self, name: str, versions: list[int]) -> None:
         """Never waits for generation: idle versions go now, busy ones when their last
-        request finishes (see `release`)."""
+        request finishes (see `finish_request`)."""
         for v in versions:
             rec = self.records.get(naming.versioned(name, v))
             if rec is not None:
                 rec.retired = True
                 if rec.inflight == 0:
-                    self._drop(rec)
+                    self._free_when_idle(rec)
 
     # -- groups ----------------------------------------------------------------------
     async def init_group(self, body: dict) -> dict:

@@ -11,6 +11,7 @@ path from the client: a commit names a lease id it granted."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import hmac
 import mmap
@@ -24,7 +25,7 @@ from functools import partial
 import torch
 
 from .. import wire
-from ..errors import BadAdapter, Forbidden, LoRASyncError, NotFound, TooBusy
+from ..errors import BadAdapter, Conflict, Forbidden, NotFound, TooBusy
 from ..fields import field
 
 LEASE_ROUTE = "lora_sync_lease"
@@ -95,7 +96,7 @@ class SealedBody:
         self.fd, self.nbytes = fd, nbytes
         self.path = f"/proc/{os.getpid()}/fd/{fd}"
 
-    def release(self, reusable: bool = True) -> None:
+    def close(self, reusable: bool = True) -> None:
         os.close(self.fd)  # the pages go once the workers' mappings do
 
 
@@ -141,11 +142,11 @@ class LeaseTable:
             fcntl.fcntl(held.fd, F_ADD_SEALS, _SEALS)
         except OSError as e:
             os.close(held.fd)
-            busy = e.errno == 16  # EBUSY: a writable shared mapping still exists
-            raise LoRASyncError("the lease is still mapped writable by some process; unmap "
-                                "it before committing" if busy else f"could not seal the "
-                                f"lease ({e})", code="lease_mapped" if busy else "bad_lease",
-                                status=409 if busy else 400) from None
+            busy = e.errno == errno.EBUSY
+            if busy:  # EBUSY: a writable shared mapping still exists
+                raise Conflict("the lease is still mapped writable by some process; unmap "
+                               "it before committing", code="lease_mapped") from None
+            raise BadAdapter(f"could not seal the lease ({e})", code="bad_lease") from None
         return SealedBody(held.fd, held.nbytes)
 
     def cancel(self, req: CommitRequest) -> None:
@@ -260,8 +261,11 @@ def push_one(client, server, adapter, name: str, version: int | None,
     lease = Lease.from_json(call(server.route(LEASE_ROUTE),
                                  json_body={"nbytes": total_bytes(parts)})[0])
     ticket = {"lease_id": lease.lease_id, "token": lease.token}
+    t1 = time.perf_counter()
     if not write_lease(lease, parts):
         call(server.route(CANCEL_ROUTE), json_body=ticket)
         return None
+    t2 = time.perf_counter()
     reply, _ = call(server.route(COMMIT_ROUTE), json_body=ticket)
+    reply["timings_ms"].update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
     return PushResult.from_reply(server.url, reply, time.perf_counter() - t0)
