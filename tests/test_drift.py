@@ -98,9 +98,11 @@ def test_a_missing_symbol_fails_naming_it(tmp_path, capsys):
     # The installed vLLM passes; the files that check read are all a doctored copy needs.
     tree = RecordingTree(site)
     resolver = drift.Resolver(tree)
-    for e in drift.touched(drift.ENGINE_FILES["vllm"]):
+    api = drift.ENGINE_FILES["vllm"]
+    for e in drift.touched(api):
         if e.applies(version):
             assert drift.check_entry(resolver, e)[0], e.text
+    assert all(ok for ok, _ in drift.mirror_cells(resolver, api, version).values())
     for rel in tree.read:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(site / rel, tmp_path / rel)
@@ -114,6 +116,16 @@ def test_a_missing_symbol_fails_naming_it(tmp_path, capsys):
     assert "no attribute or method `_validate_modules_to_save` in LRUCacheLoRAModelManager" \
         in err
     assert err.count("DRIFT:") == 1, err
+
+
+def test_a_loader_check_missing_from_the_table_fails(tmp_path):
+    """BY_VERSION must list every check vLLM's own loader runs, not only existing ones."""
+    site = _site_packages()
+    version = _installed_vllm_version(site)
+    api = _doctored_api(tmp_path, '"_validate_token_classification_lora")', ")")
+    result = drift.check_target(drift.Target("vllm", version, site), api_file=api)
+    [failure] = result.failures
+    assert "'lora_checks'" in failure and "release calls" in failure, failure
 
 
 @pytest.mark.parametrize("engine", sorted(drift.ENGINE_FILES))
@@ -159,3 +171,40 @@ def test_version_table_matches_the_pins(monkeypatch):
             require_supported(engine, "9.9.9")
         # The refusal says how each supported version was tested.
         assert all(f"{v}: {how}" in str(e.value) for v, how in versions.items())
+
+
+@pytest.mark.parametrize("installed,row", [("0.32.0", "0.32.0"), ("0.33.0", "0.33.0"),
+                                           ("0.34.0", "0.33.0")])  # overridden: newest row
+def test_build_lora_model_runs_that_release_checks(monkeypatch, installed, row):
+    vllm = pytest.importorskip("vllm")
+    from vllm.config.lora import LoRAConfig
+
+    from vllm_ext import engine_api
+    calls, built = [], {}
+
+    class AdapterManager:
+        model = object()
+
+        def __getattr__(self, name):
+            assert name.startswith("_validate_"), name
+            return lambda lora: calls.append(name)
+
+    class LoRAModel:
+        @staticmethod
+        def from_lora_tensors(**kw):
+            built.update(kw)
+            return "lora"
+
+    class Manager:
+        _adapter_manager, _lora_model_cls = AdapterManager(), LoRAModel
+        lora_config, vocab_size, max_position_embeddings = LoRAConfig(max_lora_rank=8), 99, 64
+
+    monkeypatch.setattr(vllm, "__version__", installed)
+    engine_api.release.cache_clear()
+    try:
+        lora = engine_api.build_lora_model(Manager(), 7, {}, {"r": 8, "lora_alpha": 16,
+                                                             "target_modules": ["q_proj"]})
+    finally:
+        engine_api.release.cache_clear()
+    assert lora == "lora" and built["lora_model_id"] == 7 and built["device"] == "cpu"
+    assert tuple(calls) == engine_api.BY_VERSION[row]["lora_checks"]

