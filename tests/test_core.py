@@ -283,3 +283,26 @@ def test_a_worker_bug_is_a_500_and_an_engine_refusal_a_400():
     crashed = reply(bug)
     assert (crashed["status"], crashed["code"]) == (500, "worker_failed")
     assert "KeyError" in crashed["message"]
+
+
+def test_shm_spare_lease_follows_the_adapter_size():
+    """A spare prepared for one size must not block the spare of the next size (a trainer
+    that changes rank would otherwise get untouched, slow memory on every push)."""
+    import asyncio
+
+    from lora_sync.transports import shm
+
+    async def run():
+        table = shm.LeaseTable()
+        try:
+            for size in (1 << 16, 1 << 20):
+                lease = table.grant(size, 1 << 30)
+                sealed = table.take(shm.CommitRequest(lease.lease_id, lease.token))
+                table.prepare_spare(sealed.nbytes)
+                sealed.close()
+                assert table._spare[1] == size
+            fd = table._spare[0]
+            assert table.grant(1 << 20, 1 << 30).path.endswith(f"/fd/{fd}")  # spare taken
+        finally:
+            table.close()
+    asyncio.run(run())

@@ -18,6 +18,7 @@ import mmap
 import os
 import re
 import secrets
+import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -108,6 +109,7 @@ class LeaseTable:
         self.ttl_s, self.max_pending = ttl_s, max_pending
         self.pending: dict[str, _Pending] = {}
         self._spare: tuple[int, int] | None = None   # (fd, nbytes): pre-touched memfd
+        self._spare_lock = threading.Lock()
 
     @property
     def pending_bytes(self) -> int:
@@ -158,28 +160,31 @@ class LeaseTable:
     def prepare_spare(self, nbytes: int) -> None:
         """Pre-touches a memfd for the next lease of this size (run it off the push path):
         fresh pages cost about 1 ms/MB here, pages already in the memfd a tenth of that."""
-        if self._spare is not None:
-            return
+        with self._spare_lock:
+            if self._spare is not None and self._spare[1] == nbytes:
+                return
         fd = _new_memfd(nbytes)
         zeros = bytes(min(nbytes, 8 << 20))
         for off in range(0, nbytes, len(zeros)):
             os.pwrite(fd, zeros[:nbytes - off], off)
-        if self._spare is None:
-            self._spare = (fd, nbytes)
-        else:
-            os.close(fd)
+        with self._spare_lock:  # one spare, of the newest size (adapters change rarely)
+            old, self._spare = self._spare, (fd, nbytes)
+        if old is not None:
+            os.close(old[0])
 
     def close(self) -> None:
         for lease_id in list(self.pending):
             self._close_pending(lease_id)
-        if self._spare is not None:
-            os.close(self._spare[0])
-            self._spare = None
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            os.close(spare[0])
 
     def _take_spare(self, nbytes: int) -> int:
-        if self._spare is not None and self._spare[1] == nbytes:
-            fd, self._spare = self._spare[0], None
-            return fd
+        with self._spare_lock:  # prepare_spare runs on a thread
+            if self._spare is not None and self._spare[1] == nbytes:
+                fd, self._spare = self._spare[0], None
+                return fd
         return _new_memfd(nbytes)
 
     def _expire(self, lease_id: str) -> None:
