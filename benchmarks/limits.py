@@ -13,7 +13,7 @@ import time
 import torch
 
 from lora_sync import collective, http
-from lora_sync.processes import free_port
+from lora_sync.collective import free_port
 
 _HTTP_SINK = r"""
 import sys

@@ -53,13 +53,13 @@ class LoRASyncClient:
                                                    checksum))
 
     def _push_one(self, server: Server, adapter, name, version, transport, checksum):
-        if transport == "auto":  # shm once seen to work; a server it missed stays on HTTP
-            transport = "shm" if self._same_host.get(server.url, True) else "tensors"
-            result = PER_SERVER[transport](self, server, adapter, name, version, checksum)
-            self._same_host[server.url] = transport == "shm" and result is not None
-            if result is None:
-                return PER_SERVER["tensors"](self, server, adapter, name, version, checksum)
-            return result
+        if transport == "auto":  # shm until a lease is out of reach, then HTTP for good
+            if self._same_host.get(server.url, True):
+                result = PER_SERVER["shm"](self, server, adapter, name, version, checksum)
+                self._same_host[server.url] = result is not None
+                if result is not None:
+                    return result
+            transport = "tensors"
         result = PER_SERVER[transport](self, server, adapter, name, version, checksum)
         if result is None:
             raise LoRASyncError(f"{server.url} cannot be reached through shared memory from "

@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .collective import free_port  # noqa: F401  (servers' ports, as the tests use them)
+from .collective import free_port
 
 INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 

@@ -211,14 +211,11 @@ def open_staged(path: str, only_reader: bool = False):
     return header, wire.view_tensors(buf, header)
 
 
-F_GET_SEALS, F_SEAL_WRITE = 1034, 8
-
-
 def is_sealed(fd: int) -> bool:
     """Whether a file is a write-sealed memfd (a committed shm lease): nobody may map it
     shared and writable any more, so its readers map it private."""
     try:
-        return bool(fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_WRITE)
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE)
     except OSError:  # not a memfd: seals do not apply
         return False
 

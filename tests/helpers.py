@@ -15,6 +15,12 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "the quick brown"
 
 
+def versions_of(client, name: str) -> list[int]:
+    """The servable (not retired) versions the server lists for `name`."""
+    return [v["version"] for a in client.adapters()[0]["adapters"] if a["name"] == name
+            for v in a["versions"] if not v["retired"]]
+
+
 def greedy(client, model: str, prompt: str = PROMPT, n: int = 12) -> str:
     return client.complete(prompt, model, n)["text"]
 

@@ -14,14 +14,9 @@ import pytest
 
 from lora_sync import LoRASyncClient, NotFound, http, wire
 
-from .helpers import AUTH, PROMPT, body_of, greedy, post_body
+from .helpers import AUTH, PROMPT, body_of, greedy, post_body, versions_of
 
 KEEP = 3  # the session servers' LORA_SYNC_KEEP_VERSIONS
-
-
-def versions_of(client, name):
-    return [v["version"] for a in client.adapters()[0]["adapters"] if a["name"] == name
-            for v in a["versions"] if not v["retired"]]
 
 
 def held_versions(client, name):

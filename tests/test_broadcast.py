@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lora_sync import BadAdapter, LoRASyncClient, Server, http
-from lora_sync.processes import free_port
+from lora_sync.collective import free_port
 
 from .helpers import AUTH, disk_model, greedy
 

@@ -15,14 +15,9 @@ import pytest
 from lora_sync import http, wire
 from lora_sync.transports import shm
 
-from .helpers import AUTH, disk_model, greedy
+from .helpers import AUTH, disk_model, greedy, versions_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def versions_of(client, name):
-    return [v["version"] for a in client.adapters()[0]["adapters"] if a["name"] == name
-            for v in a["versions"] if not v["retired"]]
 
 
 def lease(client, nbytes):

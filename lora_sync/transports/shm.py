@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import hashlib
 import hmac
 import mmap
 import os
@@ -34,8 +35,8 @@ CANCEL_ROUTE = "lora_sync_lease_cancel"
 COMMIT_ROUTE = "load_lora_adapter_from_lease"
 PROBE_BYTES = 16
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
-_SEALS = 1 | 2 | 4 | 8  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE
-F_ADD_SEALS = 1033
+# After these, nobody can write, resize, map writable or unseal the memfd.
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 # -- typed messages ---------------------------------------------------------------------
@@ -141,7 +142,7 @@ class LeaseTable:
             raise Forbidden("wrong token for this lease", code="bad_token")
         self._close_pending(req.lease_id, keep_fd=True)
         try:
-            fcntl.fcntl(held.fd, F_ADD_SEALS, _SEALS)
+            fcntl.fcntl(held.fd, fcntl.F_ADD_SEALS, _SEALS)
         except OSError as e:
             os.close(held.fd)
             busy = e.errno == errno.EBUSY
@@ -206,7 +207,6 @@ def _new_memfd(nbytes: int) -> int:
 
 
 def _digest(token: str) -> bytes:
-    import hashlib
     return hashlib.sha256(token.encode()).digest()
 
 
