@@ -77,16 +77,18 @@ class StagingArea:
         self.inflight = 0  # bytes claimed by bodies being received now
         atexit.register(self.close)
 
-    async def receive_body(self, chunks, limits: BodyLimits,
-                    content_length: int | None = None) -> StagedBody:
+    async def receive_body(self, chunks, limits: BodyLimits, content_length: int | None = None,
+                           held_elsewhere: int = 0) -> StagedBody:
         """Writes an async stream of byte chunks into a file and checks its header. Refuses
         a body above the limit before reading it when Content-Length says so, a body that
-        would take the bytes in flight past their bound, and a body that stalls."""
+        would take the bytes in flight (with `held_elsewhere`: open shm leases) past their
+        bound, and a body that stalls."""
         if content_length is not None and content_length > limits.max_body:
             raise _too_large(content_length, limits.max_body)
         claimed = content_length if content_length is not None else limits.max_body
-        if self.inflight + claimed > limits.max_inflight:
-            raise TooBusy(f"{self.inflight} bytes of other uploads are being received; this "
+        if self.inflight + held_elsewhere + claimed > limits.max_inflight:
+            raise TooBusy(f"{self.inflight + held_elsewhere} bytes of other uploads and leases "
+                          "are held; this "
                           f"body would pass LORA_SYNC_MAX_STAGING_MB "
                           f"({limits.max_inflight} bytes): retry later", code="staging_full")
         self.inflight += claimed

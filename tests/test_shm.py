@@ -13,6 +13,7 @@ import time
 import pytest
 
 from lora_sync import http, wire
+from lora_sync.errors import TooBusy
 from lora_sync.transports import shm
 
 from .helpers import AUTH, disk_model, greedy, versions_of
@@ -177,3 +178,20 @@ def test_auto_falls_back_to_http_where_the_lease_is_out_of_reach(client, server,
     assert transport == "tensors" and int(version) >= 1
     assert open_leases(client) == 0  # the unreachable lease was cancelled, not left behind
     assert greedy(client, "elsewhere") == greedy(client, f"elsewhere-v{version}")
+
+
+def test_open_leases_and_uploads_share_one_staging_budget(client, make_adapter):
+    """The test servers allow 6 MB of staging: two open 3 MB leases leave no room for an HTTP
+    body (429 staging_full), and cancelling them gives it back."""
+    leases = [lease(client, 3 * 2 ** 20) for _ in range(2)]
+    name = f"budget-{client.servers[0].engine}"
+    try:
+        with pytest.raises(TooBusy) as refused:
+            client.push_tensors(make_adapter(seed=841), name)
+        assert refused.value.code == "staging_full"
+    finally:
+        for granted in leases:
+            http.call("POST", client.servers[0].route(shm.CANCEL_ROUTE), headers=AUTH,
+                      json_body={"lease_id": granted.lease_id, "token": granted.token})
+    assert open_leases(client) == 0
+    assert client.push_tensors(make_adapter(seed=841), name)[0].version == 1

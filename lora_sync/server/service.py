@@ -166,7 +166,8 @@ class AdapterService:
         t0 = time.perf_counter()
         settle_ms = await self._settle()
         t_recv = time.perf_counter()
-        staged = await self.staging.receive_body(chunks, self.settings.body_limits, content_length)
+        staged = await self.staging.receive_body(chunks, self.settings.body_limits, content_length,
+                                                 held_elsewhere=self.leases.pending_bytes)
         return await self._load_staged(staged, StagedFile(self.staging, staged.path), "tensors",
                                        t0, settle=settle_ms,
                                        receive=(time.perf_counter() - t_recv) * 1e3)
