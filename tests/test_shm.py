@@ -129,6 +129,17 @@ def test_abused_leases_are_refused_and_change_nothing(client, server, make_adapt
     status, _, _ = http.request("POST", client.servers[0].route(shm.LEASE_ROUTE),
                                 json_body={"nbytes": 4096})  # no key
     assert status == 401
+    keyless = lease(client, size)
+    for route in (shm.COMMIT_ROUTE, shm.CANCEL_ROUTE):  # a token alone opens nothing
+        status, _, _ = http.request("POST", client.servers[0].route(route), json_body={
+            "lease_id": keyless.lease_id, "token": keyless.token})
+        assert status == 401, route
+    assert http.call("POST", client.servers[0].route(shm.CANCEL_ROUTE), headers=AUTH,
+                     json_body={"lease_id": keyless.lease_id, "token": keyless.token})[0]
+    for bad in ({"lease_id": 7, "token": "x"}, {"lease_id": "0" * 32}, {"token": ["x"]}):
+        status, _, _ = http.request("POST", client.servers[0].route(shm.COMMIT_ROUTE),
+                                    json_body=bad, headers=AUTH)
+        assert status == 400, bad
     assert versions_of(client, name) == [1, 2] and greedy(client, name) == after
     assert greedy(client, f"{name}-v1") == before
     assert server.alive()
