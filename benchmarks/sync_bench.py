@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from lora_sync import LoRAAdapter, LoRASyncClient, ModelSpec
-from lora_sync.processes import sglang_server, vllm_server
-from lora_sync.tiny_model import QWEN_05B_SHAPES, build_tiny_model
+from testbed.processes import sglang_server, vllm_server
+from testbed.tiny_model import QWEN_05B_SHAPES, build_tiny_model
 
 from . import limits
 

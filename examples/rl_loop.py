@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from lora_sync import LoRAAdapter, LoRASyncClient
-from lora_sync.processes import vllm_server
-from lora_sync.tiny_model import build_tiny_model
+from testbed.processes import vllm_server
+from testbed.tiny_model import build_tiny_model
 
 PROMPTS = ["the quick brown", "hello world,", "one two three", "a small model",
            "lora adapters are", "how are you"]

@@ -109,6 +109,21 @@ class LoRAAdapter:
         return wire.encode(self.tensors, self.metadata(name, version, with_checksum))
 
 
+def parse_config(raw: str | None) -> dict:
+    """PEFT's adapter_config.json text, as sent in the metadata or the broadcast request."""
+    if raw is None:
+        raise BadAdapter(f"safetensors __metadata__ has no {META_CONFIG!r} (the JSON text of "
+                         "PEFT's adapter_config.json)", code="missing_metadata")
+    try:
+        cfg = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+        raise BadAdapter(f"{META_CONFIG} is not valid JSON: {str(e)[:200]}",
+                         code="bad_config") from e
+    if not isinstance(cfg, dict):
+        raise BadAdapter(f"{META_CONFIG} must be a JSON object", code="bad_config")
+    return cfg
+
+
 def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name, t in tensors.items():

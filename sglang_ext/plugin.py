@@ -17,8 +17,8 @@ def load() -> None:
 
 def _on_scheduler(scheduler) -> None:
     engine_api.check_version()  # raising here stops the server: loud, at start-up
-    from worker_extensions.sglang import SchedulerExtension
-    engine_api.add_scheduler_handler(scheduler, SchedulerExtension(scheduler).handle)
+    from worker_extensions.sglang import scheduler_handler
+    engine_api.add_scheduler_handler(scheduler, scheduler_handler(scheduler))
 
 
 def _on_tokenizer_manager(tm) -> None:

@@ -21,7 +21,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_dir(workdir):
-    from lora_sync.tiny_model import build_tiny_model
+    from testbed.tiny_model import build_tiny_model
     return build_tiny_model(workdir / "tiny-llama")
 
 
@@ -29,7 +29,7 @@ def model_dir(workdir):
 def make_adapter(model_dir):
     """make_adapter(seed, rank=8) -> LoRAAdapter with random non-zero weights."""
     from lora_sync import LoRAAdapter
-    from lora_sync.tiny_model import make_lora, randomize_lora
+    from testbed.tiny_model import make_lora, randomize_lora
     models = {}
 
     def make(seed: int, rank: int = 8):
@@ -43,7 +43,7 @@ def make_adapter(model_dir):
 
 def _vllm(model_dir, **kw):
     pytest.importorskip("vllm")
-    from lora_sync.processes import vllm_server
+    from testbed.processes import vllm_server
     return vllm_server(model_dir, **kw)
 
 
@@ -65,7 +65,7 @@ def sglang(model_dir):
         if os.environ.get("CI"):
             pytest.fail("no .venv-sglang in CI: scripts/install.sh did not install SGLang")
         pytest.skip("no .venv-sglang: run scripts/install.sh")
-    from lora_sync.processes import sglang_server
+    from testbed.processes import sglang_server
     server = sglang_server(model_dir, python=str(SGLANG_PYTHON),
                            env={**SERVER_ENV, "PYTHONPATH": SGLANG_TEST_PATH})
     server.api_key = API_KEY

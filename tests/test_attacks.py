@@ -439,7 +439,7 @@ def test_key_schemes_on_vllm(model_dir, make_adapter):
     """Review items 4 and 5, on servers of their own: with only vLLM's --api-key G the admin
     routes are closed (G used to open them); with G and LORA_SYNC_API_KEY K, K works on
     every route (it used to be locked out) and G only generates."""
-    from lora_sync.processes import vllm_server
+    from testbed.processes import vllm_server
     from lora_sync.errors import Forbidden, Unauthorized
     gen, admin = "generation-key", "admin-key"
     adapter = make_adapter(seed=691)
@@ -473,7 +473,7 @@ def test_key_schemes_on_sglang(model_dir, make_adapter):
     admin routes are closed; with G and LORA_SYNC_API_KEY K (our launcher makes K SGLang's
     --admin-api-key) K pushes, G generates and gets 401 on admin routes."""
     from lora_sync.errors import Forbidden, Unauthorized
-    from lora_sync.processes import sglang_server
+    from testbed.processes import sglang_server
 
     from .conftest import SGLANG_PYTHON, SGLANG_TEST_PATH
     if not SGLANG_PYTHON.exists():

@@ -133,7 +133,7 @@ def test_trainer_dies_or_stalls_mid_broadcast(client, server, make_adapter, work
 @pytest.fixture(scope="module")
 def vllm_tp2(model_dir):
     pytest.importorskip("vllm")
-    from lora_sync.processes import vllm_server
+    from testbed.processes import vllm_server
     server = vllm_server(model_dir, extra_args=["--tensor-parallel-size", "2"],
                          env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     with server:

@@ -247,7 +247,7 @@ def test_a_module_named_twice_is_refused():
     {"master_address": ["h"], "master_port": 1, "rank_offset": 1, "world_size": 2},
 ])
 def test_group_requests_are_typed(body):
-    from lora_sync.server.requests import InitGroupRequest
+    from lora_sync.transports.broadcast import InitGroupRequest
     with pytest.raises(BadAdapter):
         InitGroupRequest.from_json(body)
 

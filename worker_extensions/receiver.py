@@ -1,7 +1,8 @@
-"""Engine-agnostic worker state: adapters kept in memory and the trainer process groups.
+"""Engine-agnostic worker state: adapters kept in memory, the buffers they arrived in, and
+the trainer process groups; plus the checks every intake runs and the reply format.
 
-Each engine's worker extension owns one `WorkerState` and plugs its own LoRA-model builder in.
-"""
+The transports' worker intakes (lora_sync/transports) fill it through `take_buffer` and
+`group`; the dispatcher (dispatcher.py) owns one per worker."""
 from __future__ import annotations
 
 import os
@@ -14,8 +15,7 @@ import torch
 from lora_sync import collective
 from lora_sync.adapter import tensors_checksum
 from lora_sync.errors import BadAdapter, Conflict, LoRASyncError, TransferFailed
-from lora_sync.staging import open_staged, read_sealed, write_notice
-from lora_sync.wire import DTYPES, TensorSpec
+from lora_sync.staging import write_notice
 
 
 @dataclass
@@ -31,7 +31,6 @@ class StoredAdapter:
 class WorkerState:
     adapters: dict[int, StoredAdapter] = field(default_factory=dict)
     groups: dict[str, object] = field(default_factory=dict)
-    group_locks: dict[str, threading.Lock] = field(default_factory=dict)
     # Groups being set up on a background thread: name -> the set-up that may finish it.
     pending: dict[str, object] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -40,67 +39,33 @@ class WorkerState:
     spare: list[torch.Tensor] = field(default_factory=list)
     # A busy version is freed when its last request ends, maybe while a receive runs.
     spare_lock: threading.Lock = field(default_factory=threading.Lock)
+    world_size: int = 1  # workers of this server (a body with one reader is mapped shared)
 
-    # -- intake ---------------------------------------------------------------------
-    def take_staged(self, path: str, config: dict, checksum: str | None = None,
-                       only_reader: bool = False) -> StoredAdapter:
-        """Views the staged body in place: the tensors share its mapping (see `open_staged`);
-        a sealed one (shm) is read into a reused buffer instead (see `read_sealed`)."""
-        sealed = read_sealed(path, lambda n: self._take_spare(torch.uint8, n, "cpu"))
-        if sealed is not None:
-            header, tensors, buf = sealed
-            buffers = [buf]
-        else:
-            (header, tensors), buffers = open_staged(path, only_reader), []
-        check_intake(tensors, checksum)
-        return StoredAdapter(tensors, config, header.total_bytes - header.data_start,
-                             buffers=buffers)
-
-    def receive(self, group_name: str, specs: list[dict], config: dict, bucket_bytes: int,
-                checksum: str | None = None) -> StoredAdapter:
-        pg, device = self.groups.get(group_name, (None, None))
-        if pg is None:
-            raise BadAdapter(f"no LoRA update group {group_name!r} on this worker; call "
-                             "init_lora_update_group first", code="no_group")
-        plan = collective.plan_buckets([TensorSpec.from_json(s) for s in specs], bucket_bytes)
-        buffers = [self._take_spare(DTYPES[b.dtype], b.numel, device) for b in plan]
-        try:
-            tensors = collective.receive_buckets(pg, plan, buffers)
-        except Exception as e:  # a dead or slow trainer: the group is no longer usable
-            self.destroy_group(group_name)
-            raise TransferFailed(f"broadcast in group {group_name!r} failed ({e}); the group "
-                                 "was dropped, create a new one") from e
-        if device != "cpu":  # copied out: the device buckets are free for the next receive
-            tensors = {k: v.cpu() for k, v in tensors.items()}
-            with self.spare_lock:
-                self.spare, buffers = buffers, []
-        check_intake(tensors, checksum)
-        return StoredAdapter(tensors, config, sum(s.nbytes for b in plan for s in b.specs),
-                             buffers=buffers)
-
-    def _take_spare(self, dtype: torch.dtype, numel: int, device: str) -> torch.Tensor:
+    def take_buffer(self, dtype: torch.dtype, numel: int, device: str) -> torch.Tensor:
+        """A buffer to receive into: the spare of that shape if there is one."""
         with self.spare_lock:
             for i, buf in enumerate(self.spare):
                 if (buf.dtype, buf.numel(), buf.device.type) == (dtype, numel, device):
                     return self.spare.pop(i)
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def group(self, group_name: str):
+        """(process group, device) of a group this worker joined."""
+        pg, device = self.groups.get(group_name, (None, None))
+        if pg is None:
+            raise BadAdapter(f"no LoRA update group {group_name!r} on this worker; call "
+                             "init_lora_update_group first", code="no_group")
+        return pg, device
+
     def free(self, adapter_id: int) -> None:
         """Forgets an adapter the engine no longer serves; its buckets become the spares."""
         stored = self.adapters.pop(adapter_id, None)
         if stored is not None and stored.buffers:
-            with self.spare_lock:
-                self.spare = stored.buffers
+            self.keep_spares(stored.buffers)
 
-    def receive_in_background(self, group_name: str, notice_path: str, keep, *args) -> None:
-        """Receives on a thread so the engine keeps stepping during the transfer; then
-        `keep(stored)` builds and stores the adapter and the outcome goes to `notice_path`."""
-        lock = self.group_locks.setdefault(group_name, threading.Lock())
-
-        def work():
-            with lock:  # one transfer at a time per group, in request order
-                write_notice(notice_path, reply(lambda: keep(self.receive(group_name, *args))))
-        threading.Thread(target=work, name=f"lora-sync-recv-{group_name}", daemon=True).start()
+    def keep_spares(self, buffers: list) -> None:
+        with self.spare_lock:
+            self.spare = buffers
 
     # -- groups ---------------------------------------------------------------------
     def init_group_in_background(self, group_name: str, notice_path: str, host: str,

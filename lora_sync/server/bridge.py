@@ -1,14 +1,17 @@
-"""The small interface each engine implements so one service drives both."""
+"""The small interface each engine implements so one service drives both: generic calls to
+its workers (the ops of worker_extensions/dispatcher.py) plus activate, publish and free."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
 from ..adapter import ModelSpec
+from ..errors import LoRASyncError
+from ..staging import notice_paths, wait_notices
 
 
 class EngineBridge(ABC):
-    """How the shared service reaches one engine. Every method acts on all of its workers
-    and raises LoRASyncError when any worker refuses."""
+    """How the shared service reaches one engine. Worker calls act on all of its workers and
+    raise LoRASyncError when any worker refuses."""
 
     @abstractmethod
     async def model_spec(self) -> ModelSpec:
@@ -19,19 +22,27 @@ class EngineBridge(ABC):
         """A fresh engine-wide integer id for a new version."""
 
     @abstractmethod
-    async def take_staged(self, adapter_id: int, path: str, config: dict,
-                             checksum: str | None) -> list[dict]:
-        """Every worker takes the adapter from a staged shared-memory body (verifying
-        `checksum` if given); returns one reply per worker (its own time in 'ms')."""
+    async def call_workers(self, op: str, **args) -> list[dict]:
+        """Runs a dispatcher op (keyword arguments only) on every worker; one reply each."""
 
     @abstractmethod
-    async def receive(self, adapter_id: int, group_name: str, specs: list[dict], config: dict,
-                      bucket_bytes: int, checksum: str | None, timeout_s: float) -> list[dict]:
-        """Every worker receives the adapter by broadcast in `group_name`."""
+    async def worker_count(self) -> int: ...
+
+    async def call_workers_in_background(self, op: str, wait_s: float, **args) -> list[dict]:
+        """For ops that may take long (a transfer, a rendezvous): the call only starts the
+        work, so the engine loop stays free; each worker reports in a notice file, and one
+        missing after `wait_s` is a TransferFailed."""
+        notices = notice_paths(await self.worker_count())
+        await self.call_workers(op, notice_paths=notices, **args)
+        return check_worker_replies(await wait_notices(notices, wait_s))
+
+    async def worker_status(self) -> list[dict]:
+        """One dict per worker: rank, world_size, the adapter ids it holds/caches, groups."""
+        return await self.call_workers("info")
 
     @abstractmethod
     async def activate(self, served_name: str, adapter_id: int):
-        """Registers the staged adapter with the engine; returns the engine's handle."""
+        """Registers the adapter the workers took in with the engine; returns its handle."""
 
     @abstractmethod
     def publish(self, names: list[str], handle) -> None:
@@ -50,15 +61,11 @@ class EngineBridge(ABC):
     async def free(self, adapter_ids: list[int]) -> None:
         """Frees the engine's and the workers' copies."""
 
-    @abstractmethod
-    async def init_group(self, group_name: str, host: str, port: int, rank_offset: int,
-                         world_size: int, backend: str, timeout_s: float) -> None:
-        """Every worker joins the trainer's group, off the engine's step loop; a worker not
-        done within `timeout_s` is a TransferFailed (and its late group is discarded)."""
 
-    @abstractmethod
-    async def destroy_group(self, group_name: str) -> None: ...
-
-    @abstractmethod
-    async def worker_status(self) -> list[dict]:
-        """One dict per worker: rank, world_size and the adapter ids it holds/caches."""
+def check_worker_replies(replies: list[dict]) -> list[dict]:
+    """Raises the first worker refusal as the matching LoRASyncError."""
+    for r in replies:
+        if not r.get("ok"):
+            raise LoRASyncError(r.get("message", "worker failed"), code=r.get("code"),
+                                status=r.get("status", 500))
+    return replies

@@ -10,17 +10,15 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from ..errors import BadAdapter, LoRASyncError, PayloadTooLarge
+from ..transports import TRANSPORTS
+from ..transports.base import RawBody, Route
 from .service import AdapterService
 
 logger = logging.getLogger("lora_sync")
-# POST routes whose JSON body goes straight to the service method of the same job.
-JSON_ROUTES = {"/init_lora_update_group": "init_group",
-               "/load_lora_adapter_from_distributed": "load_from_distributed",
-               "/destroy_lora_update_group": "destroy_group",
-               "/retire_lora_adapter": "retire_name",
-               "/lora_sync_lease": "grant_lease",
-               "/lora_sync_lease_cancel": "cancel_lease",
-               "/load_lora_adapter_from_lease": "load_from_lease"}
+# Every POST route: the transports' own, and retiring a name.
+POST_ROUTES = {path: route for module in TRANSPORTS.values()
+               for path, route in module.ROUTES.items()}
+POST_ROUTES["/retire_lora_adapter"] = Route(AdapterService.retire_name)
 GET_ROUTES = ("/lora_sync_info", "/lora_adapters")
 PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
                "application/octet-stream (see docs/protocol.md); pickled tensors are refused")
@@ -32,8 +30,7 @@ def _service(request: Request) -> AdapterService:
 
 def own_paths(prefix: str) -> frozenset:
     """Every path of ours (admission leaves them to the routes' own checks)."""
-    return frozenset(prefix + p for p in (*JSON_ROUTES, *GET_ROUTES,
-                                          "/load_lora_adapter_from_tensors"))
+    return frozenset(prefix + p for p in (*POST_ROUTES, *GET_ROUTES))
 
 
 async def _json(request: Request, limit: int) -> dict:
@@ -70,30 +67,30 @@ def build_router(prefix: str = "") -> APIRouter:
             err = LoRASyncError(f"{type(e).__name__}: {e}")
             return JSONResponse(err.to_json(), status_code=err.status)
 
-    @router.post("/load_lora_adapter_from_tensors")
-    async def load_from_tensors(request: Request):
-        async def act(service: AdapterService):
-            ctype = request.headers.get("content-type", "").split(";")[0].strip()
-            if ctype != "application/octet-stream":
-                raise BadAdapter(f"Content-Type {ctype or 'none'!r} refused: {PICKLE_HINT}",
-                                 code="bad_content_type", status=415)
-            length = request.headers.get("content-length")
-            if length is not None and not (length.isascii() and length.isdigit()):
-                raise BadAdapter("Content-Length must be a decimal integer", code="bad_request")
-            return await service.load_from_body(request.stream(),
-                                                int(length) if length else None)
-        return await handle(request, act)
+    async def read_stream(request: Request, service: AdapterService) -> RawBody:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip()
+        if ctype != "application/octet-stream":
+            raise BadAdapter(f"Content-Type {ctype or 'none'!r} refused: {PICKLE_HINT}",
+                             code="bad_content_type", status=415)
+        length = request.headers.get("content-length")
+        if length is not None and not (length.isascii() and length.isdigit()):
+            raise BadAdapter("Content-Length must be a decimal integer", code="bad_request")
+        return RawBody(request.stream(), int(length) if length else None)
 
-    def add_json_route(path: str, method: str):
-        async def route(request: Request):
+    async def read_json(request: Request, service: AdapterService) -> dict:
+        return await _json(request, service.settings.max_request_bytes)
+
+    readers = {"json": read_json, "stream": read_stream}
+
+    def add_post_route(path: str, route: Route):
+        async def endpoint(request: Request):
             async def act(service: AdapterService):
-                body = await _json(request, service.settings.max_request_bytes)
-                return await getattr(service, method)(body)
+                return await route.handler(service, await readers[route.body](request, service))
             return await handle(request, act)
-        router.post(path)(route)
+        router.post(path)(endpoint)
 
-    for path, method in JSON_ROUTES.items():
-        add_json_route(path, method)
+    for path, route in POST_ROUTES.items():
+        add_post_route(path, route)
 
     @router.get("/lora_sync_info")
     async def info(request: Request):

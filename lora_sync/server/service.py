@@ -6,19 +6,17 @@ import hmac
 import ipaddress
 import math
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 
 from .. import naming
-from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check_adapter
+from ..adapter import (META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check_adapter,
+                       parse_config)
 from ..adapter import ModelSpec
-from ..errors import (BadAdapter, Forbidden, LoRASyncError, NotFound, PayloadTooLarge,
-                      TooBusy, Unauthorized)
-from ..staging import BodyLimits, StagedBody, StagedFile, StagingArea, read_header
-from ..transports.shm import CommitRequest, LeaseRequest, LeaseTable
+from ..errors import Forbidden, NotFound, TooBusy, Unauthorized
+from ..staging import BodyLimits, StagedBody, StagingArea
+from ..transports import TRANSPORTS
 from .bridge import EngineBridge
-from .requests import DistributedLoadRequest, InitGroupRequest, group_name_of, parse_config
 
 # How often a drained version asks the engine whether a request still uses it.
 DRAIN_POLL_S = 0.05
@@ -110,9 +108,11 @@ class AdapterService:
         self.records: dict[str, AdapterRecord] = {}     # served name -> record
         self._locks: dict[str, asyncio.Lock] = {}
         self._spec: ModelSpec | None = None
-        self.group_timeouts: dict[str, float] = {}
         self.staging = StagingArea()
-        self.leases = LeaseTable(self.settings.lease_ttl_s)
+        # Per transport, what its routes keep between requests (shm: the open leases).
+        self.transport_state = {name: module.server_state(self.settings)
+                                for name, module in TRANSPORTS.items()
+                                if hasattr(module, "server_state")}
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
         self._background: set = set()                 # other work after a reply
@@ -161,51 +161,24 @@ class AdapterService:
     def _names(self) -> set[str]:
         return self.book.names() | {r.name for r in self.records.values()}
 
-    # -- transports ----------------------------------------------------------------
-    async def load_from_body(self, chunks, content_length: int | None) -> dict:
-        t0 = time.perf_counter()
-        settle_ms = await self._settle()
-        t_recv = time.perf_counter()
-        staged = await self.staging.receive_body(chunks, self.settings.body_limits, content_length,
-                                                 held_elsewhere=self.leases.pending_bytes)
-        return await self._load_staged(staged, StagedFile(self.staging, staged.path), "tensors",
-                                       t0, settle=settle_ms,
-                                       receive=(time.perf_counter() - t_recv) * 1e3)
+    # -- what the transports' routes build on (lora_sync/transports) -------------------
+    async def receive_body(self, chunks, content_length: int | None) -> StagedBody:
+        """Streams an upload into staging; uploads and what the transports hold (open
+        leases) share one budget."""
+        held = sum(getattr(s, "held_bytes", 0) for s in self.transport_state.values())
+        return await self.staging.receive_body(chunks, self.settings.body_limits,
+                                               content_length, held_elsewhere=held)
 
-    # -- shm: leases the trainer writes into (transports/shm.py) -----------------------
-    async def grant_lease(self, body: dict) -> dict:
-        req = LeaseRequest.from_json(body, self.settings.max_body_bytes)
-        budget = self.settings.max_staging_bytes - self.staging.inflight
-        return self.leases.grant(req.nbytes, budget).to_json()
+    def in_background(self, fn, *args) -> None:
+        """Runs `fn(*args)` on a thread after the reply (kept referenced until done)."""
+        task = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    async def cancel_lease(self, body: dict) -> dict:
-        self.leases.cancel(CommitRequest.from_json(body))
-        return {"cancelled": True}
-
-    async def load_from_lease(self, body: dict) -> dict:
-        t0 = time.perf_counter()
-        sealed = self.leases.take(CommitRequest.from_json(body))
-        settle_ms = await self._settle()
-        t_read = time.perf_counter()
-        try:
-            header = await asyncio.to_thread(read_header, sealed.fd, sealed.nbytes)
-        except BaseException:
-            sealed.close()
-            raise
-        staged = StagedBody(sealed.path, sealed.nbytes, header)
-        reply = await self._load_staged(staged, sealed, "shm", t0, settle=settle_ms,
-                                        receive=(time.perf_counter() - t_read) * 1e3)
-        # The next lease of this size gets pages touched now, off the push path.
-        spare = asyncio.get_running_loop().run_in_executor(None, self.leases.prepare_spare,
-                                                           sealed.nbytes)
-        self._background.add(spare)
-        spare.add_done_callback(self._background.discard)
-        return reply
-
-    async def _load_staged(self, staged: StagedBody, hold, transport: str, t0: float,
+    async def install_file(self, staged: StagedBody, hold, transport: str, t0: float,
                            **timings_ms) -> dict:
-        """Checks a staged safetensors body and installs it; `hold` (the body's file) goes
-        back unless the new version keeps it."""
+        """Checks a safetensors file staged in server memory and installs it; `hold` (the
+        file) goes back unless the new version keeps it."""
         kept = False
         try:
             meta = staged.header.metadata
@@ -216,9 +189,11 @@ class AdapterService:
                                 await self.model_spec())
 
             async def intake(adapter_id):
-                return await self.bridge.take_staged(adapter_id, staged.path, cfg, checksum)
+                return await self.bridge.call_workers(
+                    "intake", transport=transport, adapter_id=adapter_id, config=cfg,
+                    checksum=checksum, path=staged.path)
             nbytes = staged.nbytes - staged.header.data_start
-            reply = await self._install(name, version, cfg, nbytes, transport, intake, t0, hold)
+            reply = await self.install(name, version, cfg, nbytes, transport, intake, t0, hold)
             kept = True  # the workers now map the file: it goes back when the version does
             reply["timings_ms"].update(timings_ms)
             return reply
@@ -226,27 +201,11 @@ class AdapterService:
             if not kept:
                 hold.close()
 
-    async def load_from_distributed(self, body: dict) -> dict:
-        t0 = time.perf_counter()
-        req = DistributedLoadRequest.from_json(body)
-        cfg = check_adapter(req.specs, req.config, await self.model_spec())
-        if req.nbytes > self.settings.max_body_bytes:  # what the workers would allocate
-            raise PayloadTooLarge(f"the adapter is {req.nbytes} bytes, above the limit of "
-                                  f"{self.settings.max_body_bytes} (LORA_SYNC_MAX_BODY_MB)")
-        settle_ms = await self._settle()
-
-        async def receive(adapter_id):
-            return await self.bridge.receive(
-                adapter_id, req.group_name, [s.to_json() for s in req.specs], cfg,
-                req.bucket_bytes, req.checksum,
-                self.group_timeouts.get(req.group_name, 120.0) + 30)
-        reply = await self._install(req.lora_name, req.version, cfg, req.nbytes, "broadcast",
-                                    receive, t0)
-        reply["timings_ms"]["settle"] = settle_ms
-        return reply
-
-    async def _install(self, name, version_req, cfg, nbytes, transport, intake, t0,
-                       hold=None) -> dict:
+    async def install(self, name, version_req, cfg, nbytes, transport, intake, t0,
+                      hold=None) -> dict:
+        """Reserves the version, runs the transport's `intake(adapter_id)` on the workers,
+        registers and publishes it, and retires what falls out of the window. Any failure
+        leaves the previous versions exactly as they were."""
         t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
             if name not in self._names() and len(self._names()) >= self.settings.max_names:
@@ -351,7 +310,7 @@ class AdapterService:
         finally:
             self._freeing.discard(task)
 
-    async def _settle(self) -> float:
+    async def settle(self) -> float:
         """Waits until retired versions are freed (overlaps the trainer's step in practice),
         so the push can reuse their memory; returns the milliseconds waited. Versions still
         busy in the engine are not waited for."""
@@ -377,59 +336,6 @@ class AdapterService:
                 if rec.inflight == 0:
                     self._free_when_idle(rec)
 
-    # -- groups ----------------------------------------------------------------------
-    async def init_group(self, body: dict) -> dict:
-        req = InitGroupRequest.from_json(body)
-        address = await self._allowed_trainer(req.master_address)
-        status = await self.bridge.worker_status()
-        workers = len(status)
-        if req.rank_offset + workers > req.world_size:
-            raise BadAdapter(f"ranks {req.rank_offset}..{req.rank_offset + workers - 1} of this "
-                             f"server's {workers} worker(s) do not fit world_size "
-                             f"{req.world_size} (rank 0 is the trainer)", code="bad_request")
-        if len(status[0].get("groups", [])) >= self.settings.max_groups:
-            raise TooBusy(f"this server already has {self.settings.max_groups} update groups "
-                          "(or group set-ups still timing out); destroy one first",
-                          code="too_many_groups")
-        t0 = time.perf_counter()
-        try:
-            await self.bridge.init_group(req.group_name, address, req.master_port,
-                                         req.rank_offset, req.world_size, req.backend,
-                                         req.timeout_s)
-        except LoRASyncError as e:
-            if e.code != "group_exists":  # a half-made group (some workers joined) goes
-                await asyncio.shield(self.bridge.destroy_group(req.group_name))
-            raise
-        self.group_timeouts[req.group_name] = req.timeout_s
-        return {"group_name": req.group_name, "workers": workers,
-                "ms": (time.perf_counter() - t0) * 1e3}
-
-    async def _allowed_trainer(self, host: str) -> str:
-        """The address workers will dial for `host`, if LORA_SYNC_ALLOWED_TRAINERS lets
-        them: every address the name resolves to must be allowed (no DNS games)."""
-        try:
-            infos = await asyncio.wait_for(
-                asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), 5)
-        except (OSError, asyncio.TimeoutError, UnicodeError) as e:
-            raise BadAdapter(f"master_address {host!r} does not resolve ({e})",
-                             code="bad_request") from None
-        addresses = {info[4][0] for info in infos}
-        nets = [ipaddress.ip_network(n, strict=False) for n in self.settings.allowed_trainers]
-        refused = sorted(a for a in addresses
-                         if not any(ipaddress.ip_address(a) in n for n in nets))
-        if refused or not addresses:
-            raise Forbidden(f"master_address {host!r} ({', '.join(refused)}) is not an allowed "
-                            "trainer address; the operator lists them in "
-                            f"LORA_SYNC_ALLOWED_TRAINERS (now {list(self.settings.allowed_trainers)})",
-                            code="trainer_not_allowed")
-        return sorted(addresses)[0]
-
-    async def destroy_group(self, body: dict) -> dict:
-        group = group_name_of(body)
-        await self.bridge.destroy_group(group)
-        self.group_timeouts.pop(group, None)
-        return {"group_name": group, "destroyed": True}
-
     async def info(self) -> dict:
         """What a trainer needs before it broadcasts: worker count and the model's limits,
         so it can refuse a bad adapter before any collective call."""
@@ -439,7 +345,9 @@ class AdapterService:
                 "linear_modules": {k: list(v) for k, v in spec.linear.items()},
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
-                "max_names": self.settings.max_names, "open_leases": len(self.leases.pending)}
+                "max_names": self.settings.max_names,
+                **{k: v for st in self.transport_state.values() if hasattr(st, "info")
+                   for k, v in st.info().items()}}
 
     def list_adapters(self) -> dict:
         """Per name: its servable versions (and retired ones requests still run on), the
@@ -458,11 +366,3 @@ class AdapterService:
             entry["inflight"] += rec.inflight
         return {"adapters": list(out.values()), "keep_versions": self.settings.keep_versions}
 
-
-def check_worker_replies(replies: list[dict]) -> list[dict]:
-    """Raises the first worker refusal as the matching LoRASyncError."""
-    for r in replies:
-        if not r.get("ok"):
-            raise LoRASyncError(r.get("message", "worker failed"), code=r.get("code"),
-                                status=r.get("status", 500))
-    return replies

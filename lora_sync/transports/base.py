@@ -31,3 +31,28 @@ class PushResult:
     def from_reply(cls, server_url: str, reply: dict, seconds: float) -> "PushResult":
         return cls(server_url, reply["name"], reply["version"], reply["bytes"], seconds,
                    reply.get("transport", ""), reply)
+
+
+# -- server side ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Route:
+    """One HTTP route a transport adds to the server: `handler(service, body)` gets the JSON
+    object (body="json") or a `RawBody` of the streamed request (body="stream")."""
+    handler: object
+    body: str = "json"
+
+
+@dataclass(frozen=True)
+class RawBody:
+    chunks: object                # async iterator of bytes
+    content_length: int | None
+
+
+# -- worker side ------------------------------------------------------------------------
+@dataclass
+class Received:
+    """What a transport's worker intake hands the dispatcher: the tensors, their bytes, and
+    the buffers they view (which become the spares of the next intake)."""
+    tensors: dict
+    nbytes: int
+    buffers: list = field(default_factory=list)

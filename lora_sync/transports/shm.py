@@ -26,9 +26,11 @@ from functools import partial
 
 import torch
 
-from .. import wire
+from .. import http, wire
 from ..errors import BadAdapter, Conflict, Forbidden, NotFound, TooBusy
 from ..fields import field
+from ..staging import StagedBody, read_header, read_sealed
+from .base import PushResult, Received, Route, Server
 
 LEASE_ROUTE = "lora_sync_lease"
 CANCEL_ROUTE = "lora_sync_lease_cancel"
@@ -113,15 +115,19 @@ class LeaseTable:
         self._spare_lock = threading.Lock()
 
     @property
-    def pending_bytes(self) -> int:
+    def held_bytes(self) -> int:
+        """Staging memory the open leases hold (shared with HTTP uploads' budget)."""
         return sum(p.nbytes for p in self.pending.values())
+
+    def info(self) -> dict:
+        return {"open_leases": len(self.pending)}
 
     def grant(self, nbytes: int, budget: int) -> Lease:
         if len(self.pending) >= self.max_pending:
             raise TooBusy(f"{self.max_pending} leases are already open; commit or cancel "
                           "one first", code="too_many_leases")
-        if self.pending_bytes + nbytes > budget:
-            raise TooBusy(f"open leases hold {self.pending_bytes} bytes; {nbytes} more would "
+        if self.held_bytes + nbytes > budget:
+            raise TooBusy(f"open leases hold {self.held_bytes} bytes; {nbytes} more would "
                           f"pass LORA_SYNC_MAX_STAGING_MB ({budget} bytes)", code="staging_full")
         fd = self._take_spare(nbytes)
         probe = secrets.token_bytes(PROBE_BYTES)
@@ -254,12 +260,10 @@ def total_bytes(chunks: list) -> int:
                for c in chunks)
 
 
-def push_one(client, server, adapter, name: str, version: int | None,
-             checksum: bool):
+def push_one(client, server: Server, adapter, name: str, version: int | None,
+             checksum: bool) -> PushResult | None:
     """Lease, write, commit. Returns None (after cancelling the lease) when the server's
     memory is not reachable from this process: the caller falls back to HTTP."""
-    from .. import http
-    from .base import PushResult
     parts = wire.layout(adapter.tensors, adapter.metadata(name, version, checksum))
     t0 = time.perf_counter()
     call = partial(http.call, "POST", headers=client.headers, timeout=client.timeout)
@@ -274,3 +278,51 @@ def push_one(client, server, adapter, name: str, version: int | None,
     reply, _ = call(server.route(COMMIT_ROUTE), json_body=ticket)
     reply["timings_ms"].update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
     return PushResult.from_reply(server.url, reply, time.perf_counter() - t0)
+
+
+# -- server routes (API process) --------------------------------------------------------
+def server_state(settings) -> LeaseTable:
+    return LeaseTable(settings.lease_ttl_s)
+
+
+async def grant(service, body: dict) -> dict:
+    req = LeaseRequest.from_json(body, service.settings.max_body_bytes)
+    budget = service.settings.max_staging_bytes - service.staging.inflight
+    return service.transport_state["shm"].grant(req.nbytes, budget).to_json()
+
+
+async def cancel(service, body: dict) -> dict:
+    service.transport_state["shm"].cancel(CommitRequest.from_json(body))
+    return {"cancelled": True}
+
+
+async def commit(service, body: dict) -> dict:
+    leases = service.transport_state["shm"]
+    t0 = time.perf_counter()
+    sealed = leases.take(CommitRequest.from_json(body))
+    settle_ms = await service.settle()
+    t_read = time.perf_counter()
+    try:
+        header = await asyncio.to_thread(read_header, sealed.fd, sealed.nbytes)
+    except BaseException:
+        sealed.close()
+        raise
+    reply = await service.install_file(StagedBody(sealed.path, sealed.nbytes, header), sealed,
+                                       "shm", t0, settle=settle_ms,
+                                       receive=(time.perf_counter() - t_read) * 1e3)
+    # The next lease of this size gets pages touched now, off the push path.
+    service.in_background(leases.prepare_spare, sealed.nbytes)
+    return reply
+
+ROUTES = {f"/{LEASE_ROUTE}": Route(grant), f"/{CANCEL_ROUTE}": Route(cancel),
+          f"/{COMMIT_ROUTE}": Route(commit)}
+
+
+# -- worker side ------------------------------------------------------------------------
+def worker_intake(worker, path: str) -> Received:
+    """A sealed body is read into a reused buffer (see `read_sealed` for why not mapped)."""
+    sealed = read_sealed(path, lambda n: worker.take_buffer(torch.uint8, n, "cpu"))
+    if sealed is None:
+        raise BadAdapter("the committed lease is not sealed", code="bad_lease")
+    header, tensors, buf = sealed
+    return Received(tensors, header.total_bytes - header.data_start, [buf])

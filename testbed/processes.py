@@ -11,7 +11,6 @@ import getpass
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .collective import free_port
+from lora_sync.collective import free_port
 
 INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 

@@ -1,0 +1,112 @@
+"""The one worker-side dispatcher both engines share: `LoRASyncWorker.call(op, args)`.
+
+Each engine supplies a `WorkerEngine` (its rank, how it builds/registers an adapter, how it
+unloads one); everything else — which transport takes the bytes in, the checks, the groups,
+the replies — is here, once. Ops take keyword arguments only, the same on both engines."""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+
+from lora_sync.errors import BadAdapter
+from lora_sync.staging import write_notice
+from lora_sync.transports import TRANSPORTS
+
+from .receiver import StoredAdapter, WorkerState, check_intake, engine_refusal, reply
+
+
+class WorkerEngine(ABC):
+    """What one engine's worker process supplies."""
+
+    @abstractmethod
+    def rank(self) -> tuple[int, int]:
+        """(rank, world_size) of this worker among the server's workers."""
+
+    @abstractmethod
+    def build(self, adapter_id: int, stored: StoredAdapter):
+        """Runs when an adapter arrives, so a bad one fails before it is published; returns
+        what to keep as `stored.built` (ValueError: the engine refuses the adapter)."""
+
+    def register(self, adapter_id: int, stored: StoredAdapter) -> None:
+        """Hands the adapter to the engine, for engines that register inside the worker."""
+
+    @abstractmethod
+    def unload(self, adapter_id: int) -> None:
+        """Drops the engine's own copy (its LoRA cache entry)."""
+
+    @abstractmethod
+    def cached_ids(self) -> list[int]:
+        """Adapter ids the engine holds in its LoRA cache."""
+
+
+class LoRASyncWorker:
+    OPS = ("info", "intake", "register", "free", "init_group", "destroy_group")
+
+    def __init__(self, engine: WorkerEngine):
+        self.engine = engine
+        self.state = WorkerState()
+        self._background_locks: dict[str, threading.Lock] = {}
+
+    def call(self, op: str, args: dict) -> dict:
+        if op not in self.OPS or not isinstance(args, dict):
+            return {"ok": False, "status": 400, "code": "bad_request",
+                    "message": f"unknown lora-sync worker operation {op!r}"}
+        return reply(getattr(self, op), **args)
+
+    # -- ops ------------------------------------------------------------------------------
+    def info(self) -> dict:
+        rank, world = self.engine.rank()
+        return {"rank": rank, "world_size": world, "cached_ids": sorted(self.engine.cached_ids()),
+                "held_ids": sorted(self.state.adapters), "groups": self.state.group_names()}
+
+    def intake(self, transport: str, adapter_id: int, config: dict, checksum: str | None = None,
+               notice_paths: list | None = None, **transport_args) -> dict:
+        """Takes an adapter in through `transport`'s worker intake, checks and builds it.
+        With `notice_paths` it runs on a thread (one at a time per group) and the outcome
+        goes to this rank's notice: the engine keeps stepping during a long transfer."""
+        module = TRANSPORTS.get(transport)
+        if module is None:
+            raise BadAdapter(f"unknown transport {transport!r}", code="bad_request")
+        self.state.world_size = self.engine.rank()[1]
+
+        def work() -> dict:
+            received = module.worker_intake(self.state, **transport_args)
+            check_intake(received.tensors, checksum)
+            stored = StoredAdapter(received.tensors, config, received.nbytes,
+                                   buffers=received.buffers)
+            stored.built = engine_refusal(self.engine.build, adapter_id, stored)
+            self.state.adapters[adapter_id] = stored
+            return {"bytes": stored.nbytes}
+        if notice_paths is None:
+            return work()
+        self._in_background(transport_args.get("group_name", transport),
+                            notice_paths[self.engine.rank()[0]], work)
+        return {}
+
+    def register(self, adapter_id: int) -> None:
+        engine_refusal(self.engine.register, adapter_id, self.state.adapters[adapter_id])
+
+    def free(self, adapter_ids: list) -> dict:
+        """Forgets adapters: the engine's cache entry and our in-memory copy."""
+        for i in adapter_ids:
+            self.engine.unload(i)
+            self.state.free(i)
+        return {"held": len(self.state.adapters)}
+
+    def init_group(self, group_name: str, host: str, port: int, rank_offset: int,
+                   world_size: int, backend: str, timeout_s: float, notice_paths: list) -> None:
+        """Starts joining the trainer's group and returns at once (see WorkerState)."""
+        rank, _ = self.engine.rank()
+        self.state.init_group_in_background(group_name, notice_paths[rank], host, port,
+                                            rank_offset + rank, world_size, backend, timeout_s)
+
+    def destroy_group(self, group_name: str) -> dict:
+        return {"existed": self.state.destroy_group(group_name)}
+
+    def _in_background(self, key: str, notice_path: str, work) -> None:
+        lock = self._background_locks.setdefault(key, threading.Lock())
+
+        def run():
+            with lock:  # one transfer at a time per group, in request order
+                write_notice(notice_path, reply(work))
+        threading.Thread(target=run, name=f"lora-sync-intake-{key}", daemon=True).start()
