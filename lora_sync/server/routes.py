@@ -20,6 +20,8 @@ POST_ROUTES = {path: route for module in TRANSPORTS.values()
                for path, route in module.ROUTES.items()}
 POST_ROUTES["/retire_lora_adapter"] = Route(AdapterService.retire_name)
 GET_ROUTES = ("/lora_sync_info", "/lora_adapters")
+# Every lora-sync reply names the server instance that gave it (new at each start).
+INSTANCE_HEADER = "X-LoRA-Sync-Instance"
 PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
                "application/octet-stream (see docs/protocol.md); pickled tensors are refused")
 
@@ -52,20 +54,23 @@ def build_router(prefix: str = "") -> APIRouter:
     router = APIRouter(prefix=prefix)
 
     async def handle(request: Request, action):
+        service = _service(request)
         try:
-            service = _service(request)
             service.authorize(request.headers.get("authorization"))
-            return JSONResponse(await action(service))
+            body, status = await action(service), 200
         except LoRASyncError as e:
-            return JSONResponse(e.to_json(), status_code=e.status)
+            body, status = e.to_json(), e.status
         except ClientDisconnect:
             err = BadAdapter("the client disconnected before the body was complete",
                              code="client_disconnected")
-            return JSONResponse(err.to_json(), status_code=err.status)
+            body, status = err.to_json(), err.status
         except Exception as e:  # a bug of ours or the engine's: say so, keep serving
             logger.exception("lora-sync route %s failed", request.url.path)
             err = LoRASyncError(f"{type(e).__name__}: {e}")
-            return JSONResponse(err.to_json(), status_code=err.status)
+            body, status = err.to_json(), err.status
+        body["instance_id"] = service.instance_id
+        return JSONResponse(body, status_code=status,
+                            headers={INSTANCE_HEADER: service.instance_id})
 
     async def read_stream(request: Request, service: AdapterService) -> RawBody:
         ctype = request.headers.get("content-type", "").split(";")[0].strip()

@@ -7,6 +7,7 @@ import ipaddress
 import math
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 
 from .. import naming
@@ -104,6 +105,9 @@ class AdapterService:
     def __init__(self, bridge: EngineBridge, settings: Settings | None = None):
         self.bridge = bridge
         self.settings = settings or Settings.from_env()
+        # New at every start: a trainer that sees it change knows the server lost its
+        # adapters (restart) and re-pushes the newest ones (client.resync).
+        self.instance_id = uuid.uuid4().hex
         self.book = naming.VersionBook()
         self.records: dict[str, AdapterRecord] = {}     # served name -> record
         self._locks: dict[str, asyncio.Lock] = {}
@@ -341,7 +345,8 @@ class AdapterService:
         so it can refuse a bad adapter before any collective call."""
         spec = await self.model_spec()
         status = await self.bridge.worker_status()
-        return {"workers": len(status), "worker_status": status, "max_lora_rank": spec.max_rank,
+        return {"instance_id": self.instance_id, "workers": len(status),
+                "worker_status": status, "max_lora_rank": spec.max_rank,
                 "linear_modules": {k: list(v) for k, v in spec.linear.items()},
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
