@@ -17,6 +17,7 @@ setup(
         "test": ["pytest", "pytest-timeout", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
     },
     entry_points={
+        "console_scripts": ["lora-sync = lora_sync.cli:main"],
         "vllm.endpoint_plugins": ["lora_sync = vllm_ext.plugin:LoRASyncEndpointPlugin"],
         "sglang.srt.plugins": ["lora_sync = sglang_ext.plugin:load"],
     },

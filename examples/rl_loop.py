@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lora_sync import LoRAAdapter, LoRASyncClient
+from lora_sync.errors import LoRASyncError
 from testbed.processes import vllm_server
 from testbed.tiny_model import build_tiny_model
 
@@ -47,6 +48,7 @@ class LoopConfig:
     api_key: str | None = None      # the server's LORA_SYNC_API_KEY, if it has one
     out_dir: str = "runs/rl_loop"
     progress: bool = True
+    server_wait_s: float = 300.0    # how long a step waits for a restarted server
 
 
 def target_tokens(tokenizer) -> torch.Tensor:
@@ -83,6 +85,37 @@ def logprob_mismatch(trainer: list[torch.Tensor], server: list[list[float]]) -> 
     return torch.cat(diffs).mean().item()
 
 
+class Restarts:
+    """Rides out a server restart (crash, preemption, redeploy) inside a step: waits until
+    the server answers again, gives it the newest version back (client.resync) and retries.
+    Bounded by `server_wait_s`; any other error is raised as it is."""
+
+    def __init__(self, client: LoRASyncClient, wait_s: float):
+        self.client, self.wait_s, self.events = client, wait_s, []
+
+    def run(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LoRASyncError as e:
+            # 5xx/unreachable: the server is down; 404: it is up but lost the alias.
+            if e.status < 500 and e.code not in ("not_found", "push_failed"):
+                raise
+            self.recover(e)
+            return fn(*args, **kwargs)
+
+    def recover(self, error: LoRASyncError) -> None:
+        t0 = time.monotonic()
+        while not all(h["ok"] for h in self.client.health()):
+            if time.monotonic() - t0 > self.wait_s:
+                raise TimeoutError(f"the server did not come back within {self.wait_s:g} s "
+                                   f"after: {error}") from error
+            time.sleep(1.0)
+        resynced = self.client.resync()
+        self.events.append({"error": f"{error.code}: {error.message[:200]}",
+                            "down_s": time.monotonic() - t0,
+                            "resynced": [n for r in resynced for n in r["pushed"]]})
+
+
 class Syncer:
     """Pushes the policy's LoRA with the chosen transport; returns (served name, seconds)."""
 
@@ -110,7 +143,9 @@ class Syncer:
         return served, time.perf_counter() - t0
 
 
-def run(cfg: LoopConfig, server=None) -> dict:
+def run(cfg: LoopConfig, server=None, on_step=None) -> dict:
+    """Runs the loop; `on_step(step)` is called after each step (tests use it to kill and
+    restart the server mid-run)."""
     torch.set_num_threads(1)  # two cores: one for the server, one for the trainer
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,6 +163,7 @@ def run(cfg: LoopConfig, server=None) -> dict:
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
     log = {"config": asdict(cfg), "steps": []}
     client = LoRASyncClient(url, engine=cfg.engine, api_key=cfg.api_key)
+    restarts = Restarts(client, cfg.server_wait_s)
     try:
         syncer = Syncer(client, cfg, scratch)
         served, sync_s = syncer.push(policy)  # version 1: the initial policy
@@ -138,10 +174,11 @@ def run(cfg: LoopConfig, server=None) -> dict:
         for step in steps:
             prompts = [PROMPTS[(step * cfg.prompts_per_step + i) % len(PROMPTS)]
                        for i in range(cfg.prompts_per_step)]
-            reply = client.completions(model=served, prompt=prompts, n=cfg.group_size,
-                                       max_tokens=cfg.max_tokens, temperature=1.0,
-                                       seed=cfg.seed * 100003 + step, return_token_ids=True,
-                                       logprobs=1)
+            events_before = len(restarts.events)
+            reply = restarts.run(client.completions, model=served, prompt=prompts,
+                                 n=cfg.group_size, max_tokens=cfg.max_tokens, temperature=1.0,
+                                 seed=cfg.seed * 100003 + step, return_token_ids=True,
+                                 logprobs=1)
             samples, rewards, server_logprobs = [], [], []
             for choice in reply["choices"]:
                 prompt_ids = reply["choices"][choice["index"]].get("prompt_token_ids") \
@@ -159,12 +196,15 @@ def run(cfg: LoopConfig, server=None) -> dict:
             optimizer.step()
             served_version = reply["served_version"] or syncer.version
             if cfg.transport != "none":
-                served, sync_s = syncer.push(policy)
+                served, sync_s = restarts.run(syncer.push, policy)
             entry = {"step": step, "reward": r.mean().item(), "sync_s": sync_s,
                      "rollout_version": served_version, "pushed_version": syncer.version,
                      "loss": loss.item(),
-                     "logprob_mismatch": logprob_mismatch(logprobs, server_logprobs)}
+                     "logprob_mismatch": logprob_mismatch(logprobs, server_logprobs),
+                     "restarts": restarts.events[events_before:]}
             log["steps"].append(entry)
+            if on_step is not None:
+                on_step(step)
             if cfg.progress:
                 steps.set_postfix(reward=f"{entry['reward']:.2f}", sync=f"{sync_s*1e3:.0f}ms",
                                   version=syncer.version,

@@ -61,6 +61,7 @@ class ErrorCode(str, Enum):
     TRANSFER_FAILED = "transfer_failed"
     UNREACHABLE = "unreachable"
     HTTP_ERROR = "http_error"  # a reply without our error shape (a proxy, the engine)
+    PUSH_FAILED = "push_failed"  # client side: some servers did not take a version
 
 
 class LoRASyncError(Exception):
@@ -128,6 +129,18 @@ class TimedOut(LoRASyncError):
 class TransferFailed(LoRASyncError):
     """A collective transfer timed out or a peer vanished (502: the server is fine)."""
     status, code = 502, "transfer_failed"
+
+
+class PushFailed(LoRASyncError):
+    """Client side: a push failed on some servers. `results` has one PushResult per server,
+    `.error` set on those that failed; the servers that took the version keep it."""
+    status, code = 502, "push_failed"
+
+    def __init__(self, results: list):
+        self.results = results
+        failed = [r for r in results if r.error is not None]
+        lines = "; ".join(f"{r.server}: {r.error.code}: {r.error.message[:300]}" for r in failed)
+        super().__init__(f"{len(failed)} of {len(results)} server(s) failed: {lines}")
 
 
 # Codes whose exception class is not the one their status alone would give.

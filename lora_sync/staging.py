@@ -160,11 +160,11 @@ def _remove_orphans(root: str) -> None:
     """Staging directories of HTTP processes that died without cleaning up (kill -9)."""
     for name in os.listdir(root) if os.path.isdir(root) else []:
         pid = name[len(AREA_PREFIX):]
-        if name.startswith(AREA_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith(AREA_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -112,6 +112,12 @@ class ServerProcess:
                 pass
         return total
 
+    def kill(self) -> None:
+        """A crash: SIGKILL to the whole server (every process) at once, then clean up."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.stop()
+
     def stop(self) -> None:
         """SIGTERM to the server alone, so it shuts its helpers down and cleans up after
         them; then SIGKILL to whatever is left of the process group."""
@@ -162,13 +168,14 @@ def sglang_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64
                   extra_args=(), env=None, python: str = sys.executable) -> ServerProcess:
     """An SGLang CPU server with lora-sync, through our launcher. CPU needs the CPU engine,
     the torch_native LoRA backend, a small KV cache and --sleep-on-idle (an idle scheduler
-    otherwise busy-polls a whole core)."""
+    otherwise busy-polls a whole core). --enable-metrics: SGLang serves /metrics (with
+    lora-sync's metrics) only then."""
     port = port or free_port()
     cmd = [python, "-m", "sglang_ext.launch_server", "--model-path", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
            "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--lora-target-modules",
            "all", "--lora-backend", "torch_native", "--max-total-tokens", "8192",
-           "--sleep-on-idle", "--served-model-name", "base", *extra_args]
+           "--sleep-on-idle", "--served-model-name", "base", "--enable-metrics", *extra_args]
     base_env = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     return ServerProcess(cmd, port, {**base_env, **(env or {})}, engine="sglang")

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
+import subprocess
+import sys
 
 import torch
 
 from lora_sync import http, wire
 
-from .conftest import API_KEY
+from .conftest import API_KEY, REPO
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -127,3 +131,23 @@ def _duplicate_key_body(adapter) -> bytes:
     raw = json.dumps(header)[:-1] + f', "{first}": ' + json.dumps(header[first]) + "}"
     raw = raw.encode() + b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw + body[8 + n:]
+
+
+def torchrun(script, *args, nproc: int = 2, timeout: float = 240, env=None):
+    """Runs `script` under torchrun on CPU (its own session, killed whole on a timeout);
+    returns (exit code, output)."""
+    from lora_sync.collective import free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise AssertionError(f"torchrun timed out after {timeout:g} s:\n{log[-6000:]}")
+    return proc.returncode, log

@@ -20,17 +20,41 @@ class Server:
 @dataclass
 class PushResult:
     server: str
-    name: str                     # registered name, e.g. policy-v3
+    name: str | None              # registered name, e.g. policy-v3 (None if it failed)
     version: int
     bytes: int
     seconds: float                # wall time seen by the client
     transport: str = ""
     reply: dict = field(default_factory=dict)
+    instance_id: str = ""         # the server instance that took it
+    error: Exception | None = None  # a LoRASyncError when this server failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
     @classmethod
     def from_reply(cls, server_url: str, reply: dict, seconds: float) -> "PushResult":
         return cls(server_url, reply["name"], reply["version"], reply["bytes"], seconds,
-                   reply.get("transport", ""), reply)
+                   reply.get("transport", ""), reply, reply.get("instance_id", ""))
+
+    def to_json(self) -> dict:
+        """For handing the result to the other ranks of a sharded trainer (no pickle)."""
+        err = self.error
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "error"},
+                "error": err.to_json()["error"] if err is not None else None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PushResult":
+        from ..errors import error_from_json
+        err = d.get("error")
+        return cls(**{**d, "error": error_from_json(err["status"], {"error": err})
+                      if err else None})
+
+    @classmethod
+    def failed(cls, server_url: str, version: int, error: Exception,
+               seconds: float) -> "PushResult":
+        return cls(server_url, None, version, 0, seconds, error=error)
 
 
 # -- server side ------------------------------------------------------------------------

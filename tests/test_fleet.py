@@ -1,0 +1,109 @@
+"""A fleet that survives restarts, on real vLLM CPU servers: a server killed with SIGKILL and
+started again gets the newest versions back, a dead server fails only its own part of a push,
+a restarted trainer continues the numbering, and the RL loop rides out a crash mid-run.
+
+One extra vLLM server (`crashable`, module scope) is killed and restarted on the same port;
+the session's shared server is the healthy peer."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lora_sync import LoRASyncClient
+from lora_sync.errors import PushFailed
+
+from .conftest import API_KEY, SERVER_ENV, _vllm
+from .helpers import greedy
+
+
+@pytest.fixture(scope="module")
+def crashable(model_dir):
+    server = _vllm(model_dir, env=SERVER_ENV)
+    server.api_key = API_KEY
+    with server:
+        yield server
+
+
+def versions_on(client: LoRASyncClient, index: int, name: str) -> list[int]:
+    listing = client.adapters()[index]
+    return sorted(v["version"] for a in listing["adapters"] if a["name"] == name
+                  for v in a["versions"])
+
+
+def test_dead_server_fails_alone_and_gets_the_newest_back(vllm, crashable, make_adapter):
+    client = LoRASyncClient([vllm.url, crashable.url], api_key=API_KEY, timeout=30)
+    with client:
+        [a1, a2, a3, b1] = [make_adapter(seed) for seed in (501, 502, 503, 504)]
+        assert [r.version for r in client.push(a1, "fleet")] == [1, 1]
+        before = client.health()
+        assert all(h["ok"] for h in before)
+
+        crashable.kill()  # SIGKILL, every process of the server
+        health = client.health(timeout=3)
+        assert [h["ok"] for h in health] == [True, False]
+        assert health[1]["error"].startswith("unreachable")
+
+        # skip: the healthy server takes the version, the dead one is reported.
+        skipped = client.push(a2, "fleet", on_error="skip")
+        assert skipped[0].ok and skipped[0].version == 2
+        assert not skipped[1].ok and skipped[1].error.code == "unreachable"
+        # raise (the default): the error names the dead server; the other keeps v3.
+        with pytest.raises(PushFailed) as failed:
+            client.push(a3, "fleet")
+        assert crashable.url in str(failed.value) and vllm.url not in str(failed.value)
+        assert failed.value.results[0].ok and failed.value.results[0].version == 3
+        assert versions_on(client, 0, "fleet")[-1] == 3
+
+        crashable.start()  # same port, a new instance with no adapters
+        health = client.health()
+        assert health[1]["ok"] and health[1]["restarted"]
+        assert health[1]["instance_id"] != before[1]["instance_id"]
+
+        # The next push (of another name) first gives the restarted server the newest
+        # version of every name it lost, under its version number.
+        results = client.push(b1, "fleet-b")
+        assert [r.version for r in results] == [1, 1]
+        assert versions_on(client, 1, "fleet") == [3]
+        served = [greedy(LoRASyncClient(s.url, api_key=API_KEY), "fleet")
+                  for s in (vllm, crashable)]
+        assert served[0] == served[1] == greedy(LoRASyncClient(vllm.url, api_key=API_KEY),
+                                                "fleet-v3")
+        assert client.resync() == [{"server": s.url, "pushed": [], "error": None}
+                                   for s in (vllm, crashable)]  # nothing left to give back
+
+    # A restarted trainer (a fresh client) continues the numbering from the servers.
+    with LoRASyncClient([vllm.url, crashable.url], api_key=API_KEY) as fresh:
+        assert [r.version for r in fresh.push(make_adapter(505), "fleet")] == [4, 4]
+
+
+def test_rl_loop_survives_a_server_killed_mid_run(crashable, model_dir, workdir):
+    """SIGKILL after step 3's push; the server comes back on its own while the loop waits.
+    The next step's rollouts come from the version the trainer last pushed."""
+    from examples.rl_loop import LoopConfig, run, summary
+    kill_after = 3
+    restart = []
+
+    def on_step(step):
+        if step == kill_after:
+            crashable.kill()
+            restart.append(threading.Thread(target=crashable.start))
+            restart[0].start()
+
+    cfg = LoopConfig(steps=14, transport="auto", name="rl-crash", model_dir=str(model_dir),
+                     server_url=crashable.url, api_key=API_KEY, progress=False,
+                     out_dir=str(workdir / "rl-crash"), server_wait_s=240)
+    log = run(cfg, on_step=on_step)
+    restart[0].join(timeout=300)
+    steps = log["steps"]
+    events = [e for s in steps for e in s["restarts"]]
+    assert len(events) == 1, events
+    after = steps[kill_after + 1]
+    assert after["restarts"], "the step after the kill did not see the restart"
+    pushed_before = steps[kill_after]["pushed_version"]
+    assert after["restarts"][0]["resynced"] == [f"rl-crash-v{pushed_before}"]
+    assert after["rollout_version"] == pushed_before  # the newest, with its number
+    assert after["pushed_version"] == pushed_before + 1
+    first, last = summary(log, k=3)
+    print(f"\nreward {first:.3f} -> {last:.3f}; server down {events[0]['down_s']:.0f} s")
+    assert last > first + 0.3
