@@ -34,6 +34,8 @@ DEPS=(
   "tqdm==4.70.1" "regex==2026.11.15" "tiktoken==0.14.0" "ipython==9.18.1" "dill==0.4.1"
   "gguf==0.19.0" "jsonschema==4.26.0" "scipy==1.17.1" "zstandard==0.25.0"
   "watchfiles==1.3.0" "distro==1.9.0" "packaging==26.3" "safetensors==0.8.0"
+  # /metrics (--enable-metrics), where lora-sync's metrics are served too
+  "prometheus-client==0.26.0"
   # not imported by SGLang; used by lora-sync's tests (tiny model, PEFT adapters)
   "peft==0.21.2"
 )

@@ -23,6 +23,7 @@ def _on_scheduler(scheduler) -> None:
 
 def _on_tokenizer_manager(tm) -> None:
     engine_api.check_version()
+    from lora_sync.server import metrics
     from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
     from lora_sync.server.routes import build_router, own_paths
     from lora_sync.server.service import AdapterService, Settings
@@ -46,3 +47,6 @@ def _on_tokenizer_manager(tm) -> None:
         AdmissionMiddleware, own_paths=own_paths(""), also_set=("lora_path",),
         native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES]))
     app.state.lora_sync = service
+    # Served by SGLang's /metrics when it runs with --enable-metrics (prometheus_client's
+    # multiprocess mode: SGLang set PROMETHEUS_MULTIPROC_DIR before this hook runs).
+    metrics.install(service)

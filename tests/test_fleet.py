@@ -25,8 +25,9 @@ def crashable(model_dir):
         yield server
 
 
-def versions_on(client: LoRASyncClient, index: int, name: str) -> list[int]:
-    listing = client.adapters()[index]
+def versions_on(server, name: str) -> list[int]:
+    with LoRASyncClient(server.url, api_key=API_KEY) as one:
+        [listing] = one.adapters()
     return sorted(v["version"] for a in listing["adapters"] if a["name"] == name
                   for v in a["versions"])
 
@@ -53,7 +54,7 @@ def test_dead_server_fails_alone_and_gets_the_newest_back(vllm, crashable, make_
             client.push(a3, "fleet")
         assert crashable.url in str(failed.value) and vllm.url not in str(failed.value)
         assert failed.value.results[0].ok and failed.value.results[0].version == 3
-        assert versions_on(client, 0, "fleet")[-1] == 3
+        assert versions_on(vllm, "fleet")[-1] == 3
 
         crashable.start()  # same port, a new instance with no adapters
         health = client.health()
@@ -64,7 +65,7 @@ def test_dead_server_fails_alone_and_gets_the_newest_back(vllm, crashable, make_
         # version of every name it lost, under its version number.
         results = client.push(b1, "fleet-b")
         assert [r.version for r in results] == [1, 1]
-        assert versions_on(client, 1, "fleet") == [3]
+        assert versions_on(crashable, "fleet") == [3]
         served = [greedy(LoRASyncClient(s.url, api_key=API_KEY), "fleet")
                   for s in (vllm, crashable)]
         assert served[0] == served[1] == greedy(LoRASyncClient(vllm.url, api_key=API_KEY),

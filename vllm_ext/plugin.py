@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from lora_sync.server import metrics
 from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
 from lora_sync.server.routes import build_router, own_paths
 from lora_sync.server.service import AdapterService, Settings
@@ -38,6 +39,9 @@ class LoRASyncEndpointPlugin:
         if getattr(args, "worker_extension_cls", "") != WORKER_EXTENSION:
             raise RuntimeError(f"lora-sync needs --worker-extension-cls {WORKER_EXTENSION}")
         state.lora_sync = service
+        # vLLM's one API server serves prometheus_client's global registry at /metrics
+        # (a multiprocess registry when PROMETHEUS_MULTIPROC_DIR is set): ours go there.
+        metrics.install(service)
 
 
 WORKER_EXTENSION = "worker_extensions.vllm.LoRASyncWorkerExtension"

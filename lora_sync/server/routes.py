@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from ..errors import BadAdapter, LoRASyncError, PayloadTooLarge
-from ..transports import TRANSPORTS
+from ..transports import TRANSPORTS, broadcast, shm, tensors
 from ..transports.base import RawBody, Route
+from . import metrics
 from .service import AdapterService
 
 logger = logging.getLogger("lora_sync")
@@ -20,6 +22,11 @@ POST_ROUTES = {path: route for module in TRANSPORTS.values()
                for path, route in module.ROUTES.items()}
 POST_ROUTES["/retire_lora_adapter"] = Route(AdapterService.retire_name)
 GET_ROUTES = ("/lora_sync_info", "/lora_adapters")
+# The routes whose reply is a push's outcome, by transport (metrics and the push log line),
+# and the shm lease, the first step of an shm push: a refused lease is a failed push.
+PUSH_ROUTES = {f"/{tensors.ROUTE}": "tensors", f"/{shm.COMMIT_ROUTE}": "shm",
+               f"/{broadcast.LOAD_ROUTE}": "broadcast"}
+PUSH_START_ROUTES = {f"/{shm.LEASE_ROUTE}": "shm"}
 # Every lora-sync reply names the server instance that gave it (new at each start).
 INSTANCE_HEADER = "X-LoRA-Sync-Instance"
 PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
@@ -53,8 +60,9 @@ async def _json(request: Request, limit: int) -> dict:
 def build_router(prefix: str = "") -> APIRouter:
     router = APIRouter(prefix=prefix)
 
-    async def handle(request: Request, action):
+    async def handle(request: Request, action, route: str):
         service = _service(request)
+        t0 = time.perf_counter()
         try:
             service.authorize(request.headers.get("authorization"))
             body, status = await action(service), 200
@@ -68,6 +76,8 @@ def build_router(prefix: str = "") -> APIRouter:
             logger.exception("lora-sync route %s failed", request.url.path)
             err = LoRASyncError(f"{type(e).__name__}: {e}")
             body, status = err.to_json(), err.status
+        metrics.observe(route, status, body, time.perf_counter() - t0,
+                        PUSH_ROUTES.get(route) or PUSH_START_ROUTES.get(route))
         body["instance_id"] = service.instance_id
         return JSONResponse(body, status_code=status,
                             headers={INSTANCE_HEADER: service.instance_id})
@@ -91,7 +101,7 @@ def build_router(prefix: str = "") -> APIRouter:
         async def endpoint(request: Request):
             async def act(service: AdapterService):
                 return await route.handler(service, await readers[route.body](request, service))
-            return await handle(request, act)
+            return await handle(request, act, path)
         router.post(path)(endpoint)
 
     for path, route in POST_ROUTES.items():
@@ -99,12 +109,12 @@ def build_router(prefix: str = "") -> APIRouter:
 
     @router.get("/lora_sync_info")
     async def info(request: Request):
-        return await handle(request, lambda s: s.info())
+        return await handle(request, lambda s: s.info(), "/lora_sync_info")
 
     @router.get("/lora_adapters")
     async def list_adapters(request: Request):
         async def act(service):
             return service.list_adapters()
-        return await handle(request, act)
+        return await handle(request, act, "/lora_adapters")
 
     return router

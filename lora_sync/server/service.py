@@ -17,6 +17,7 @@ from ..adapter import ModelSpec
 from ..errors import Forbidden, NotFound, TooBusy, Unauthorized
 from ..staging import BodyLimits, StagedBody, StagingArea
 from ..transports import TRANSPORTS
+from . import metrics
 from .bridge import EngineBridge
 
 # How often a drained version asks the engine whether a request still uses it.
@@ -237,6 +238,7 @@ class AdapterService:
                                 transport, (t3 - t0) * 1e3, hold=hold)
             self.records[served] = rec
             self._retire(name, retired)
+            metrics.state_changed()
         return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
                 "load_ms": rec.load_ms, "transport": transport,
                 "timings_ms": {"wait": (t1 - t_in) * 1e3, "worker": worker_ms,
@@ -275,6 +277,7 @@ class AdapterService:
                 raise NotFound(f"{requested} is not servable (retired or never loaded); "
                                f"versions available: {available}", code="version_retired")
         rec.inflight += 1
+        metrics.state_changed()
         return rec
 
     def finish_request(self, served_name: str) -> None:
@@ -282,6 +285,7 @@ class AdapterService:
         if rec is None:
             return
         rec.inflight -= 1
+        metrics.state_changed()
         if rec.retired and rec.inflight == 0:
             self._free_when_idle(rec)
 
@@ -302,6 +306,7 @@ class AdapterService:
         while await self.bridge.in_use(rec.adapter_id, rec.served_name):
             await asyncio.sleep(DRAIN_POLL_S)
         self.records.pop(rec.served_name, None)
+        metrics.state_changed()  # the version's series go
         if rec.name not in self._names():
             self.book.floors.pop(rec.name, None)  # numbering may start again at 1
         task = asyncio.current_task()
@@ -339,6 +344,7 @@ class AdapterService:
                 rec.retired = True
                 if rec.inflight == 0:
                     self._free_when_idle(rec)
+        metrics.state_changed()
 
     async def info(self) -> dict:
         """What a trainer needs before it broadcasts: worker count and the model's limits,
