@@ -25,8 +25,12 @@ INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.ge
 SHM = "/dev/shm"
 
 
-def remove_unheld(directory: str, names: set[str]) -> None:
-    """Unlinks the named files in `directory` that no live process has open or mapped."""
+def remove_unheld(directory: str, names: set[str], min_age_s: float = 30.0) -> None:
+    """Unlinks the named files in `directory` that no live process has open or mapped and
+    that are older than `min_age_s` (a server starting beside this one may have created a
+    file its child has not opened yet: seen as a SemLock FileNotFoundError at start-up).
+    Semaphores (`sem.*`) are never removed: a process maps them under a temporary name, so
+    whether one is held cannot be told from /proc."""
     held = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -37,7 +41,11 @@ def remove_unheld(directory: str, names: set[str]) -> None:
             continue  # gone, or not ours to read
     for name in names:
         path = os.path.join(directory, name)
-        if path not in held:
+        try:
+            young = time.time() - os.stat(path).st_mtime < min_age_s
+        except OSError:
+            continue
+        if path not in held and not young and not name.startswith("sem."):
             try:
                 os.unlink(path)
             except OSError:
