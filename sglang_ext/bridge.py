@@ -16,15 +16,15 @@ class SGLangBridge(EngineBridge):
         self._ids = itertools.count(1)
 
     async def call_workers(self, op, **args):
-        # Every TP scheduler runs the op; only TP rank 0's reply comes back.
-        return check_worker_replies([await self.channel.call(op, **args)])
+        # Every scheduler runs the op; each data-parallel replica's TP rank 0 replies.
+        return check_worker_replies(await self.channel.call(op, **args))
 
     async def worker_count(self) -> int:
-        return engine_api.tp_size(self.tm)
+        return engine_api.dp_size(self.tm) * engine_api.tp_size(self.tm)
 
     async def worker_status(self) -> list[dict]:
-        [status] = await self.call_workers("info")
-        return [status] * await self.worker_count()  # only TP rank 0 replies
+        tp = engine_api.tp_size(self.tm)  # each replica's TP rank 0 speaks for its group
+        return [status for status in await self.call_workers("info") for _ in range(tp)]
 
     async def model_spec(self) -> ModelSpec:
         return ModelSpec.from_hf_config(engine_api.hf_config(self.tm),

@@ -116,9 +116,13 @@ def add_scheduler_handler(scheduler, handle: Callable[[Any, dict], dict]) -> Non
 
 
 def scheduler_rank(scheduler) -> tuple[int, int]:
+    """(rank, world size) among every scheduler of the server: data-parallel replica, then
+    TP rank (`dp_rank` is None without a data-parallel controller)."""
     from sglang.srt.runtime_context import get_parallel
     parallel = get_parallel()
-    return parallel.tp_rank, parallel.tp_size
+    dp_size = int(scheduler.server_args.dp_size)
+    return (parallel.dp_rank or 0) * parallel.tp_size + parallel.tp_rank, \
+        dp_size * parallel.tp_size
 
 
 def lora_manager(scheduler):
@@ -154,19 +158,21 @@ def loaded_ids(scheduler) -> list[str]:
 
 # ---------------------------------------------------------------- HTTP process side
 class SchedulerChannel:
-    """Sends a LoRASyncReq to the scheduler(s) and awaits the reply."""
+    """Sends a LoRASyncReq to the schedulers and awaits every reply: the data-parallel
+    controller sends a message it does not know to every replica's TP rank 0, and each of
+    them answers (waiting for fewer would take a late reply as the next call's)."""
 
     def __init__(self, tm):
         from sglang.srt.managers.communicator import FanOutCommunicator
         from sglang.utils import TypeBasedDispatcher
         self.tm = tm
-        self.comm = FanOutCommunicator(tm._dispatch_to_scheduler, 1)
+        self.comm = FanOutCommunicator(tm._dispatch_to_scheduler, dp_size(tm))
         tm._result_dispatcher += TypeBasedDispatcher([(LoRASyncOut, self.comm.handle_recv)])
 
-    async def call(self, op: str, **args) -> dict:
+    async def call(self, op: str, **args) -> list[dict]:
+        """One reply per data-parallel replica (from its TP rank 0)."""
         self.tm.auto_create_handle_loop()
-        [out] = await self.comm(LoRASyncReq(op=op, args=args))
-        return out.result
+        return [out.result for out in await self.comm(LoRASyncReq(op=op, args=args))]
 
 
 def add_routes_and_middleware(router, middleware):
@@ -195,6 +201,18 @@ def max_lora_rank(tm) -> int:
 
 def tp_size(tm) -> int:
     return int(tm.server_args.tp_size)
+
+
+def dp_size(tm) -> int:
+    return int(tm.server_args.dp_size)
+
+
+def check_layout(tm) -> None:
+    """DP attention routes control messages differently (one group per attention-DP rank):
+    lora-sync's fan-out does not cover it."""
+    if getattr(tm.server_args, "enable_dp_attention", False):
+        raise RuntimeError("lora-sync does not support --enable-dp-attention (plain "
+                           "--dp-size replicas are supported)")
 
 
 async def register_name(tm, served_name: str, lora_id: str) -> None:

@@ -23,6 +23,7 @@ def _on_scheduler(scheduler) -> None:
 
 def _on_tokenizer_manager(tm) -> None:
     engine_api.check_version()
+    engine_api.check_layout(tm)
     from lora_sync.server import metrics
     from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
     from lora_sync.server.routes import build_router, own_paths

@@ -18,8 +18,10 @@ class VLLMBridge(EngineBridge):
         self._workers: int | None = None
 
     async def call_workers(self, op, **args):
+        # Workers cannot see how many data-parallel engines there are: tell them.
         return check_worker_replies(await engine_api.worker_rpc(
-            self.engine, WORKER_METHOD, op, args, timeout=RPC_TIMEOUT_S))
+            self.engine, WORKER_METHOD, op, args, engine_api.data_parallel_size(self.engine),
+            timeout=RPC_TIMEOUT_S))
 
     async def worker_count(self) -> int:
         if self._workers is None:

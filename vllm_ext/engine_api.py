@@ -48,6 +48,11 @@ TOUCHED = (
     "vllm.config.vllm:VllmConfig.parallel_config",
     "vllm.config.lora:LoRAConfig.max_lora_rank",
     "vllm.config.parallel:ParallelConfig.world_size",
+    "vllm.config.parallel:ParallelConfig.data_parallel_index",
+    "vllm.config.parallel:ParallelConfig.data_parallel_size",
+    "vllm.v1.engine.async_llm:AsyncLLM.engine_core",
+    "vllm.v1.engine.core_client:MPClient.core_engines",
+    "vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async(method, *args)",
     # Worker: its LoRA manager and vLLM's own LoRAModel construction
     "vllm.v1.worker.cpu_worker:CPUWorker.model_runner",
     "vllm.v1.worker.cpu_worker:CPUWorker.rank",
@@ -163,8 +168,31 @@ async def add_lora(engine_client, request) -> None:
 
 
 async def worker_rpc(engine_client, method: str, *args, timeout: float | None = None) -> list:
-    """Calls a worker-extension method on every worker; returns one result per worker."""
+    """Calls a worker-extension method on every worker of every data-parallel engine;
+    returns one result per worker, in global rank order (engine, then worker). Under data
+    parallelism vLLM's own collective_rpc returns the first engine's results only."""
+    core = engine_client.engine_core
+    if len(getattr(core, "core_engines", ())) > 1:
+        per_engine = await core.call_utility_all_async("collective_rpc", method, timeout,
+                                                       args, None)
+        return [r for replies in per_engine for r in replies]
     return await engine_client.collective_rpc(method, timeout=timeout, args=args)
+
+
+def data_parallel_size(engine_client) -> int:
+    return int(engine_client.vllm_config.parallel_config.data_parallel_size)
+
+
+def check_layout(args) -> None:
+    """lora-sync keeps one name table per API process and reaches engines through it: more
+    than one API process, or engines it does not front, would each see part of a push."""
+    if int(getattr(args, "api_server_count", 1) or 1) > 1:
+        raise RuntimeError("lora-sync needs one API server process (--api-server-count 1); "
+                           "each would keep its own adapter table")
+    if getattr(args, "data_parallel_external_lb", False) or \
+            getattr(args, "data_parallel_hybrid_lb", False):
+        raise RuntimeError("lora-sync supports data parallelism with vLLM's internal load "
+                           "balancing only (no --data-parallel-external-lb/-hybrid-lb)")
 
 
 def hf_config(engine_client):
@@ -186,10 +214,13 @@ def worker_lora_manager(worker):
     return manager
 
 
-def worker_rank(worker) -> tuple[int, int]:
-    """(rank, world size) of this worker inside its vLLM instance."""
+def worker_rank(worker, data_parallel_size: int = 1) -> tuple[int, int]:
+    """(rank, world size) of this worker among every worker of the server: each
+    data-parallel engine is its own instance (its world_size is one replica's), so the
+    engine's data_parallel_index places its workers."""
     pc = worker.vllm_config.parallel_config
-    return worker.rank, pc.world_size
+    return (pc.data_parallel_index * pc.world_size + worker.rank,
+            data_parallel_size * pc.world_size)
 
 
 def build_lora_model(manager, lora_int_id: int, tensors: dict, config: dict):

@@ -31,11 +31,18 @@ class LoRASyncEndpointPlugin:
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
             return
+        engine_api.check_layout(args)
         keys = engine_api.engine_api_keys(args)
         settings = Settings.from_env(engine_has_key=bool(keys))
         settings.generation_keys = tuple(keys)
         service = AdapterService(VLLMBridge(engine_client, state), settings)
         await service.model_spec()  # fail at start-up, not at the first push
+        # Every worker of every data-parallel engine answers, each with its own rank.
+        status = await service.bridge.worker_status()
+        ranks = sorted(w["rank"] for w in status)
+        if ranks != list(range(status[0]["world_size"])):
+            raise RuntimeError(f"lora-sync reached workers with ranks {ranks} of "
+                               f"{status[0]['world_size']}: some engine is not reachable")
         if getattr(args, "worker_extension_cls", "") != WORKER_EXTENSION:
             raise RuntimeError(f"lora-sync needs --worker-extension-cls {WORKER_EXTENSION}")
         state.lora_sync = service

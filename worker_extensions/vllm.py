@@ -13,13 +13,14 @@ from .receiver import StoredAdapter
 class VLLMWorkerEngine(WorkerEngine):
     def __init__(self, vllm_worker):
         self.worker = vllm_worker
+        self.data_parallel_size = 1  # set by each call (the API process knows it)
         self.manager = engine_api.worker_lora_manager(vllm_worker)
         # vLLM (re)loads an adapter through its loader: ours answers from memory.
         self.built: dict[int, object] = {}
         engine_api.install_memory_loader(self.manager, self.built.get)
 
     def rank(self):
-        return engine_api.worker_rank(self.worker)
+        return engine_api.worker_rank(self.worker, self.data_parallel_size)
 
     def build(self, adapter_id: int, stored: StoredAdapter):
         # The built LoRAModel is what vLLM gets on every (re)load: merging it again after an
@@ -38,9 +39,10 @@ class VLLMWorkerEngine(WorkerEngine):
 
 
 class LoRASyncWorkerExtension:
-    def lora_sync_call(self, op: str, args: dict) -> dict:
+    def lora_sync_call(self, op: str, args: dict, data_parallel_size: int = 1) -> dict:
         # vLLM gives extensions no init hook: set up on first use.
         worker = self.__dict__.get("_lora_sync")
         if worker is None:
             worker = self.__dict__["_lora_sync"] = LoRASyncWorker(VLLMWorkerEngine(self))
+        worker.engine.data_parallel_size = data_parallel_size
         return worker.call(op, args)
