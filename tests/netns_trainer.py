@@ -1,0 +1,118 @@
+"""The trainer of tests/test_multihost.py, run inside its own network namespace (host).
+
+Usage: python tests/netns_trainer.py OUT.json CONTROL_DIR MODEL_DIR TRAINER_ADDR URL1 URL2
+
+Pushes over HTTP and by broadcast to two servers on two other hosts, times a rank-64
+broadcast to one host and to two, then broadcasts while the controller cuts srv2's link
+(files in CONTROL_DIR say when), and forms groups without srv2 and, once its link is back,
+with it again. Writes what it saw to OUT.json; the test checks it."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from lora_sync import LoRAAdapter, LoRASyncClient, collective
+from lora_sync.errors import LoRASyncError
+from testbed.tiny_model import make_lora, randomize_lora
+
+API_KEY = os.environ["LORA_SYNC_TEST_KEY"]
+WAIT_S = 120  # bound on every wait for the controller
+
+
+def adapter(model_dir, seed: int, rank: int = 8) -> LoRAAdapter:
+    model = make_lora(model_dir, rank=rank)
+    randomize_lora(model, seed)
+    a = LoRAAdapter.from_peft_model(model)
+    return LoRAAdapter({k: v.clone() for k, v in a.tensors.items()}, a.config)
+
+
+def signal_and_wait(control: Path, say: str, expect: str) -> None:
+    (control / say).touch()
+    deadline = time.monotonic() + WAIT_S
+    while not (control / expect).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the controller did not answer {say!r} with {expect!r}")
+        time.sleep(0.05)
+
+
+def greedy(url: str, model: str) -> str:
+    with LoRASyncClient(url, api_key=API_KEY, timeout=30) as c:
+        return c.complete("the quick brown", model, 12)["text"]
+
+
+def broadcast_times(urls, addr, a, name, n=5) -> list[float]:
+    with LoRASyncClient(urls, api_key=API_KEY, timeout=60) as c:
+        c.init_group(master_address=addr, timeout_s=30)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            c.push(a, name, transport="broadcast")
+            times.append((time.perf_counter() - t0) * 1e3)
+        c.destroy_group()
+    return times
+
+
+def main(out, control, model_dir, addr, url1, url2) -> None:
+    report = {}
+    both = [url1, url2]
+    with LoRASyncClient(both, api_key=API_KEY, timeout=60) as client:
+        report["tensors"] = [r.version for r in client.push(adapter(model_dir, 1), "mh",
+                                                             transport="tensors")]
+        report["tensors_out"] = [greedy(u, "mh") for u in both]
+        client.init_group(master_address=addr, timeout_s=10)
+        report["broadcast"] = [r.version for r in client.push(adapter(model_dir, 2), "mh",
+                                                              transport="broadcast")]
+        report["broadcast_out"] = [greedy(u, "mh") for u in both]
+        client.destroy_group()
+
+    big = adapter(model_dir, 3, rank=64)
+    report["rank64_bytes"] = big.nbytes
+    report["bcast_ms_1_host"] = statistics.median(broadcast_times([url1], addr, big, "mh64"))
+    report["bcast_ms_2_hosts"] = statistics.median(broadcast_times(both, addr, big, "mh64b"))
+
+    # The link cut, between the metadata POSTs and the tensors (a hook in the trainer's
+    # send: the controller cuts srv2, then the broadcast goes on).
+    send = collective.send_buckets
+
+    def send_after_cut(*args, **kwargs):
+        time.sleep(1.0)  # the metadata POSTs (sent on other threads) reach both servers
+        signal_and_wait(control, "posted", "cut")
+        return send(*args, **kwargs)
+    collective.send_buckets = send_after_cut
+    client = LoRASyncClient(both, api_key=API_KEY, timeout=60)
+    client.init_group(master_address=addr, timeout_s=5)
+    t0 = time.perf_counter()
+    try:
+        client.push(adapter(model_dir, 4), "mh", transport="broadcast")
+        report["cut_error"] = None
+    except LoRASyncError as e:
+        report["cut_error"] = f"{type(e).__name__}: {e.code}: {e.message[:300]}"
+    report["cut_error_s"] = time.perf_counter() - t0
+    collective.send_buckets = send
+    client._group.pg.shutdown()  # the broken group; srv1's side is destroyed below
+    client._group = None
+    client.close()
+
+    with LoRASyncClient([url1], api_key=API_KEY, timeout=30) as one:
+        report["srv1_alias_after_cut"] = one.adapters()[0]["adapters"]
+        one.init_group(master_address=addr, timeout_s=10, group_name="without-srv2")
+        report["without_srv2"] = [r.version for r in one.push(adapter(model_dir, 5), "mh",
+                                                               transport="broadcast")]
+        one.destroy_group()
+
+    signal_and_wait(control, "restore", "restored")
+    with LoRASyncClient(both, api_key=API_KEY, timeout=60) as client:
+        client.init_group(master_address=addr, timeout_s=10, group_name="with-srv2")
+        report["with_srv2_again"] = [r.version for r in client.push(adapter(model_dir, 6),
+                                                                    "mh", transport="broadcast")]
+        report["with_srv2_out"] = [greedy(u, "mh") for u in both]
+        client.destroy_group()
+    Path(out).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])
