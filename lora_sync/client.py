@@ -39,6 +39,9 @@ class LoRASyncClient:
         self.servers = [s if isinstance(s, Server) else Server(s, engine) for s in servers]
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
+        # Listings before a push (numbering, resync): small JSON, so a hung server is given
+        # up on sooner than a push.
+        self.probe_timeout = min(timeout, 10.0)
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.servers)))
         self._group = None  # set by init_group (broadcast transport)
         self._same_host: dict[str, bool] = {}  # server url -> its shm leases reach us
@@ -89,15 +92,17 @@ class LoRASyncClient:
                 raise RuntimeError("call init_group() before pushing with transport='broadcast'")
             results = broadcast.broadcast(self, self._group, adapter, name, version, checksum)
         else:
-            self._resync(self.memory.stale)
-            results = self._each_server(lambda s: self._push_one(
-                s, adapter, name, version, transport, checksum), version)
+            def push_one(server: Server) -> PushResult:
+                if server.url in self.memory.stale:  # first what it lost (restart, failure)
+                    self._resync_one(server)
+                return self._push_one(server, adapter, name, version, transport, checksum)
+            results = self._each_server(push_one, version)
         if any(r.ok for r in results):
             self.memory.pushed(name, version, adapter)
         restarted = {r.server for r in results if r.ok and self.memory.saw(r.server,
                                                                            r.instance_id)}
         self.memory.stale.update(r.server for r in results if not r.ok)
-        self._resync(restarted)  # they lost every other name's newest version
+        self.resync(restarted)  # they lost every other name's newest version
         return results
 
     def _push_one(self, server: Server, adapter, name, version, transport, checksum):
@@ -132,41 +137,40 @@ class LoRASyncClient:
         return self._each(guarded)
 
     # -- restarts -------------------------------------------------------------------------
-    def resync(self) -> list[dict]:
-        """Gives every server each remembered name's newest version back, under its version
-        number, where the server lacks it (a restart, a push it missed). Per server:
-        {'server', 'pushed': [served names], 'error'}."""
-        return self._resync({s.url for s in self.servers})
+    def resync(self, urls=None) -> list[dict]:
+        """Gives every server (or those in `urls`) each remembered name's newest version
+        back, under its version number, where the server lacks it (a restart, a push it
+        missed). Per server: {'server', 'pushed': [served names], 'error'}."""
+        def one(server: Server) -> dict:
+            try:
+                pushed = self._resync_one(server)
+                return {"server": server.url, "pushed": pushed, "error": None}
+            except LoRASyncError as e:
+                return {"server": server.url, "pushed": [], "error": f"{e.code}: {e.message}"}
+        urls = {s.url for s in self.servers} if urls is None else set(urls)
+        return list(self._pool.map(one, [s for s in self.servers if s.url in urls]))
 
-    def _resync(self, urls) -> list[dict]:
-        servers = [s for s in self.servers if s.url in set(urls)]
-        return list(self._pool.map(self._resync_one, servers))
-
-    def _resync_one(self, server: Server) -> dict:
-        pushed = []
-        try:
-            listing, _ = http.call("GET", server.route("lora_adapters"),
-                                         headers=self.headers, timeout=self.timeout)
-            self.memory.saw(server.url, listing.get("instance_id"))
-            held = _versions_by_name(listing)
-            for name, newest in list(self.memory.newest.items()):
-                have = held.get(name, set())
-                if newest.adapter is None or newest.version in have \
-                        or max(have, default=0) > newest.version:
-                    continue
-                self._push_one(server, newest.adapter, name, newest.version, "auto", False)
-                pushed.append(naming.versioned(name, newest.version))
-        except LoRASyncError as e:
-            return {"server": server.url, "pushed": pushed, "error": f"{e.code}: {e.message}"}
+    def _resync_one(self, server: Server) -> list[str]:
+        listing, _ = http.call("GET", server.route("lora_adapters"), headers=self.headers,
+                               timeout=self.probe_timeout)
+        self.memory.saw(server.url, listing.get("instance_id"))
+        held, pushed = _versions_by_name(listing), []
+        for name, newest in list(self.memory.newest.items()):
+            have = held.get(name, set())
+            if newest.adapter is None or newest.version in have \
+                    or max(have, default=0) > newest.version:
+                continue
+            self._push_one(server, newest.adapter, name, newest.version, "auto", False)
+            pushed.append(naming.versioned(name, newest.version))
         self.memory.stale.discard(server.url)
-        return {"server": server.url, "pushed": pushed, "error": None}
+        return pushed
 
     def newest_versions(self, name: str) -> list[int | None]:
         """Per server, the newest version of `name` it holds (None: none, or unreachable)."""
         def newest(server: Server):
             try:
                 listing, _ = http.call("GET", server.route("lora_adapters"),
-                                       headers=self.headers, timeout=self.timeout)
+                                       headers=self.headers, timeout=self.probe_timeout)
             except LoRASyncError:
                 return None  # the push will report this server
             return max(_versions_by_name(listing).get(name, ()), default=None)

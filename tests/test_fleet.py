@@ -6,7 +6,10 @@ One extra vLLM server (`crashable`, module scope) is killed and restarted on the
 the session's shared server is the healthy peer."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -72,6 +75,18 @@ def test_dead_server_fails_alone_and_gets_the_newest_back(vllm, crashable, make_
                                                 "fleet-v3")
         assert client.resync() == [{"server": s.url, "pushed": [], "error": None}
                                    for s in (vllm, crashable)]  # nothing left to give back
+
+    # A hung server (SIGSTOP) holds a push no longer than the client's timeout.
+    with LoRASyncClient([vllm.url, crashable.url], api_key=API_KEY, timeout=5) as hung:
+        os.killpg(crashable.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            results = hung.push(make_adapter(506), "fleet-hung", version=1, on_error="skip")
+            elapsed = time.monotonic() - t0
+        finally:
+            os.killpg(crashable.proc.pid, signal.SIGCONT)
+        assert results[0].ok and results[1].error.code == "unreachable", results
+        assert elapsed < 5 + 3, elapsed
 
     # A restarted trainer (a fresh client) continues the numbering from the servers.
     with LoRASyncClient([vllm.url, crashable.url], api_key=API_KEY) as fresh:
