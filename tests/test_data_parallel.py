@@ -14,6 +14,7 @@ import pytest
 from lora_sync import LoRASyncClient, http
 
 from .conftest import API_KEY, PROMPT, SERVER_ENV, SGLANG_PYTHON, SGLANG_TEST_PATH, _vllm
+from .helpers import body_of, post_body
 
 REPLICAS = 2
 
@@ -96,6 +97,17 @@ def test_every_version_lands_on_every_replica(dp_server, make_adapter, tmp_path,
             served = [on_replica(dp_server, name, r) for r in range(REPLICAS)]
             assert served == reference[name], name
             assert served != base
+
+        # Every replica refuses a body whose checksum is wrong: the push fails as a whole and
+        # both keep serving the previous version, with nothing new held.
+        held_before = held_ids(client)
+        bad = make_adapter(713)
+        status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
+                                  body_of(bad, meta={**bad.metadata("dp-t"),
+                                                     "checksum": "sha256:" + "0" * 64}))
+        assert (status, reply["error"]["code"]) == (400, "checksum_mismatch"), reply
+        assert [on_replica(dp_server, "dp-t", r) for r in range(REPLICAS)] == reference["dp-t"]
+        assert held_ids(client) == held_before
 
         client.retire("dp-t")
         client.retire("dp-b")
