@@ -57,8 +57,9 @@ class LoRASyncClient:
         over HTTP), 'shm', 'tensors' or 'broadcast' (after init_group; all or nothing).
         `version`: by default the next after the newest this client pushed, or for a fresh
         client the newest any server holds. `on_error`: 'raise' raises PushFailed naming
-        every server that failed (the others keep the version); 'skip' returns the results
-        with `.error` set on the failed ones. Servers that restarted since they last
+        every server that failed (the others keep the version; with a single server, that
+        server's own error); 'skip' returns the results with `.error` set on the failed
+        ones. Servers that restarted since they last
         answered first get each name's newest version back (see `resync`).
 
         `dtype` (e.g. torch.bfloat16) casts before sending: fp32 master weights as bf16
@@ -80,8 +81,10 @@ class LoRASyncClient:
             if dtype is not None:
                 adapter = sharded.gather_adapter(adapter, dtype=dtype)  # one rank: a cast
             results = self._push(adapter, name, version, transport, checksum)
-        if on_error == "raise" and not all(r.ok for r in results):
-            raise PushFailed(results)
+        failed = [r.error for r in results if not r.ok]
+        if on_error == "raise" and failed:
+            # One server: its own error (VersionConflict, Unauthorized, ...); several: all.
+            raise failed[0] if len(results) == 1 else PushFailed(results)
         return results
 
     def _push(self, adapter: LoRAAdapter, name, version, transport, checksum):
