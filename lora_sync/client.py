@@ -1,6 +1,7 @@
 """The trainer's client: the same calls for vLLM and SGLang servers, one or many."""
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -46,6 +47,7 @@ class LoRASyncClient:
         self._group = None  # set by init_group (broadcast transport)
         self._same_host: dict[str, bool] = {}  # server url -> its shm leases reach us
         self.memory = FleetMemory(remember)
+        self._name_locks: dict[str, threading.Lock] = {}
 
     # -- pushes -------------------------------------------------------------------------
     def push(self, adapter, name: str, version: int | None = None, transport: str = "auto",
@@ -88,6 +90,12 @@ class LoRASyncClient:
         return results
 
     def _push(self, adapter: LoRAAdapter, name, version, transport, checksum):
+        # Pushes of one name from this client go one after another: each takes the next
+        # number, and they reach the servers in that order.
+        with self._name_locks.setdefault(name, threading.Lock()):
+            return self._push_in_order(adapter, name, version, transport, checksum)
+
+    def _push_in_order(self, adapter: LoRAAdapter, name, version, transport, checksum):
         if version is None:
             version = self.memory.next_version(name, self.newest_versions)
         if transport == "broadcast":
