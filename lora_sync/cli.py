@@ -107,8 +107,9 @@ def cmd_resync(client: LoRASyncClient, args) -> list[str]:
         if have == newest:
             lines.append(f"{server.url}  has {served}")
             continue
-        one = LoRASyncClient([server], api_key=args.api_key_value, timeout=client.timeout)
-        [r] = one.push(adapter, args.name, newest, on_error="skip")
+        with LoRASyncClient([server], api_key=args.api_key_value,
+                            timeout=client.timeout) as one:
+            [r] = one.push(adapter, args.name, newest, on_error="skip")
         lines.append(f"{server.url}  pushed {served}" if r.ok else
                      f"{server.url}  FAILED  {r.error.code}: {r.error.message}")
         if not r.ok:

@@ -61,8 +61,8 @@ class LoRASyncClient:
         client the newest any server holds. `on_error`: 'raise' raises PushFailed naming
         every server that failed (the others keep the version; with a single server, that
         server's own error); 'skip' returns the results with `.error` set on the failed
-        ones. Servers that restarted since they last
-        answered first get each name's newest version back (see `resync`).
+        ones. Servers that restarted since they last answered first get each name's newest
+        version back (see `resync`).
 
         `dtype` (e.g. torch.bfloat16) casts before sending: fp32 master weights as bf16
         halve the bytes. Sharded trainers (FSDP2, torch.distributed initialised with more

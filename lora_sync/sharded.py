@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .adapter import LoRAAdapter
+from .errors import LoRASyncError, error_from_json
 
 # The dtypes the wire format carries (wire.DTYPES); strings are what configs/CLIs pass.
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -188,14 +189,14 @@ def on_rank0(fn, model_or_adapter, group=None, dtype=None):
     if adapter is not None:
         try:
             outcome = {"result": fn(adapter)}
-        except Exception as e:  # shared before raising, or the other ranks would wait
-            outcome = {"error": {"type": type(e).__name__, "message": str(e)[:4000],
-                                 **getattr(e, "to_json", lambda: {"error": {}})()["error"]}}
+        except LoRASyncError as e:  # shared before raising, or the other ranks would wait
+            outcome = {"error": e.to_json()["error"]}
+        except Exception as e:
+            outcome = {"error": {"type": type(e).__name__, "message": str(e)[:4000]}}
     outcome = share_result(outcome, group)
     if "error" not in outcome:
         return outcome["result"]
     err = outcome["error"]
     if "code" in err:
-        from .errors import error_from_json
         raise error_from_json(err["status"], {"error": err})
     raise RuntimeError(f"rank 0 failed: {err['type']}: {err['message']}")

@@ -67,7 +67,7 @@ class LoRASyncWorker:
         module = TRANSPORTS.get(transport)
         if module is None:
             raise BadAdapter(f"unknown transport {transport!r}", code="bad_request")
-        self.state.world_size = self.engine.rank()[1]
+        rank, self.state.world_size = self.engine.rank()
 
         def work() -> dict:
             received = module.worker_intake(self.state, **transport_args)
@@ -80,7 +80,7 @@ class LoRASyncWorker:
         if notice_paths is None:
             return work()
         self._in_background(transport_args.get("group_name", transport),
-                            notice_paths[self.engine.rank()[0]], work)
+                            notice_paths[rank], work)
         return {}
 
     def register(self, adapter_id: int) -> None:
