@@ -1,10 +1,13 @@
 """The process group between a trainer (rank 0) and inference workers, and bucket packing.
 
 Both sides call `create_group` (same code, the backend is a parameter: gloo on CPU, nccl on
-GPU) and `pack_bucket` / `unpack_bucket` agree on how tensors are laid out in a broadcast."""
+GPU) and plan the same `Transfer` (buckets, framing) from the tensor specs."""
 from __future__ import annotations
 
+import hashlib
+import json
 import socket
+import struct
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -65,8 +68,18 @@ class Bucket:
     specs: tuple[TensorSpec, ...]
 
     @property
-    def numel(self) -> int:
-        return sum(s.nbytes for s in self.specs) // DTYPES[self.dtype].itemsize
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def trailer_at(self) -> int:
+        """Where the trailer starts in the bucket's frame: past the payload, padded so
+        every frame (and so every payload) starts aligned for any dtype."""
+        return -(-self.nbytes // FRAME_BYTES) * FRAME_BYTES
+
+    @property
+    def frame_bytes(self) -> int:
+        return self.trailer_at + FRAME_BYTES
 
 
 def plan_buckets(specs: list[TensorSpec], max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
@@ -89,22 +102,90 @@ def plan_buckets(specs: list[TensorSpec], max_bytes: int = DEFAULT_BUCKET_BYTES)
     return buckets
 
 
-def send_buffers(buckets: list[Bucket], kept: dict, device="cpu") -> list[torch.Tensor]:
-    """One flat view per bucket into a buffer per dtype that the sender keeps in `kept`
-    between broadcasts: packing into memory that is already mapped is several times faster
-    than into fresh pages."""
-    need: dict[str, int] = {}
-    for b in buckets:
-        need[b.dtype] = need.get(b.dtype, 0) + b.numel
-    for dtype, n in need.items():
-        buf = kept.get(dtype)
-        if buf is None or buf.numel() < n or buf.device.type != torch.device(device).type:
-            kept[dtype] = torch.empty(n, dtype=DTYPES[dtype], device=device)
-    views, pos = [], dict.fromkeys(need, 0)
-    for b in buckets:
-        views.append(kept[b.dtype][pos[b.dtype]:pos[b.dtype] + b.numel])
-        pos[b.dtype] += b.numel
+# -- framing: what a receiver checks before anything it received is used ----------------
+# A transfer is one fixed-size header, then each bucket as [payload | trailer]. Receivers
+# check the header against what the trainer declared over HTTP before posting any bucket
+# receive (so declared and sent sizes agree, whatever was declared), and every trailer after
+# (a short message leaves a zeroed trailer: nothing partial, nothing left over from an
+# earlier transfer in a reused buffer, is ever taken). The transfer id, new at every push,
+# ties every frame to the declaration.
+MAGIC = b"LSYNC\x01\x00\x00"
+FRAME_BYTES = 64
+_HEADER = struct.Struct("<8sQQQQQ")   # magic, transfer id, payload bytes, buckets,
+                                       # bucket_bytes, layout digest
+_TRAILER = struct.Struct("<8sQQQQ")   # magic, transfer id, bucket index, bytes, layout
+
+
+class FrameMismatch(ValueError):
+    """What arrived is not what was declared."""
+
+
+def layout_digest(specs: list[TensorSpec]) -> int:
+    """64 bits of SHA-256 over the tensors' names, dtypes and shapes, in order."""
+    text = json.dumps([[s.name, s.dtype, list(s.shape)] for s in specs]).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One broadcast as both sides compute it from the tensor specs."""
+    transfer_id: int
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+    layout: int
+
+    @classmethod
+    def plan(cls, specs: list[TensorSpec], transfer_id: int,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "Transfer":
+        return cls(transfer_id, tuple(plan_buckets(specs, bucket_bytes)), bucket_bytes,
+                   layout_digest(specs))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def header(self) -> bytes:
+        return _HEADER.pack(MAGIC, self.transfer_id, self.nbytes, len(self.buckets),
+                            self.bucket_bytes, self.layout).ljust(FRAME_BYTES, b"\0")
+
+    def trailer(self, index: int) -> bytes:
+        return _TRAILER.pack(MAGIC, self.transfer_id, index, self.buckets[index].nbytes,
+                             self.layout).ljust(FRAME_BYTES, b"\0")
+
+    def check_header(self, got: bytes) -> None:
+        if got != self.header():
+            raise FrameMismatch(f"the broadcast header {_describe(_HEADER, got)} does not "
+                                f"match the declaration {_describe(_HEADER, self.header())}")
+
+    def check_trailer(self, index: int, got: bytes) -> None:
+        if got != self.trailer(index):
+            raise FrameMismatch(f"bucket {index} of {len(self.buckets)} arrived incomplete or "
+                                f"from another transfer (trailer {_describe(_TRAILER, got)})")
+
+
+def _describe(fmt: struct.Struct, raw: bytes) -> str:
+    magic, tid, *rest = fmt.unpack(raw[:fmt.size])
+    return f"(magic={magic!r}, transfer={tid}, fields={rest})"
+
+
+def frame_buffers(transfer: Transfer, kept: dict, device="cpu") -> list[torch.Tensor]:
+    """One byte view [payload | trailer] per bucket into one buffer the sender keeps in
+    `kept` between broadcasts: packing into memory that is already mapped is several times
+    faster than into fresh pages."""
+    sizes = [b.frame_bytes for b in transfer.buckets]
+    buf = kept.get("frames")
+    if buf is None or buf.numel() < sum(sizes) or buf.device.type != torch.device(device).type:
+        buf = kept["frames"] = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    views, pos = [], 0
+    for n in sizes:
+        views.append(buf[pos:pos + n])
+        pos += n
     return views
+
+
+def payload(bucket: Bucket, frame: torch.Tensor) -> torch.Tensor:
+    """The bucket's tensors' flat storage inside its frame, in the bucket's dtype."""
+    return frame[:bucket.nbytes].view(DTYPES[bucket.dtype])
 
 
 def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor],
@@ -122,28 +203,43 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]
     return out
 
 
-def send_buckets(group: Group, buckets: list[Bucket], tensors: dict, kept: dict,
-                 device="cpu", src: int = 0) -> None:
-    """The sender's side: packs each bucket into its kept buffer and queues it at once, so
-    packing the next bucket overlaps sending this one."""
-    works = []
-    for b, flat in zip(buckets, send_buffers(buckets, kept, device)):
-        pack_bucket(b, tensors, flat)
-        works.append(group.start_broadcast(flat, src))
+def _bytes_tensor(raw: bytes, device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def send_transfer(group: Group, transfer: Transfer, tensors: dict, kept: dict,
+                  device="cpu", src: int = 0) -> None:
+    """The sender's side: the header, then each bucket packed into its kept frame and
+    queued at once, so packing the next bucket overlaps sending this one."""
+    works = [group.start_broadcast(_bytes_tensor(transfer.header(), device), src)]
+    for i, (b, frame) in enumerate(zip(transfer.buckets,
+                                       frame_buffers(transfer, kept, device))):
+        pack_bucket(b, tensors, payload(b, frame))
+        frame[b.trailer_at:].copy_(_bytes_tensor(transfer.trailer(i), device))
+        works.append(group.start_broadcast(frame, src))
     for w in works:
         w.wait()
 
 
-def receive_buckets(group: Group, buckets: list[Bucket], flats: list[torch.Tensor],
-                    src: int = 0) -> dict[str, torch.Tensor]:
-    """A receiver's side: bucket i lands in `flats[i]` (which become the adapter's storage),
-    all queued at once; returns views named like the sender's tensors."""
+def receive_transfer(group: Group, transfer: Transfer, frames: list[torch.Tensor],
+                     src: int = 0) -> dict[str, torch.Tensor]:
+    """A receiver's side: checks the header before posting any bucket receive; bucket i
+    lands in `frames[i]` (`frame_bytes` long, which become the adapter's storage), its
+    trailer zeroed first and checked after; returns views named like the sender's tensors.
+    FrameMismatch: the caller must drop the group (the sender is out of step)."""
+    header = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=frames[0].device
+                         if frames else "cpu")
+    group.broadcast(header, src)
+    transfer.check_header(bytes(header.cpu().numpy()))
     works, received = [], {}
-    for b, flat in zip(buckets, flats):
-        works.append(group.start_broadcast(flat, src))
-        received.update(unpack_bucket(b, flat))
+    for b, frame in zip(transfer.buckets, frames):
+        frame[b.trailer_at:].zero_()
+        works.append(group.start_broadcast(frame, src))
+        received.update(unpack_bucket(b, payload(b, frame)))
     for w in works:
         w.wait()
+    for i, (b, frame) in enumerate(zip(transfer.buckets, frames)):
+        transfer.check_trailer(i, bytes(frame[b.trailer_at:].cpu().numpy()))
     return received
 
 

@@ -33,6 +33,7 @@ class ErrorCode(str, Enum):
     BAD_LEASE = "bad_lease"
     SHM_UNREACHABLE = "shm_unreachable"
     CLIENT_DISCONNECTED = "client_disconnected"
+    TRANSFER_MISMATCH = "transfer_mismatch"  # a broadcast that is not what was declared
     # 401 / 403: access
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
@@ -43,10 +44,12 @@ class ErrorCode(str, Enum):
     # 404 / 408 / 409 / 413 / 415 / 429
     NOT_FOUND = "not_found"
     VERSION_RETIRED = "version_retired"
+    MODEL_NOT_FOUND = "model_not_found"  # a model name neither the engine nor we serve
     UNKNOWN_LEASE = "unknown_lease"
     BODY_TIMEOUT = "body_timeout"
     VERSION_CONFLICT = "version_conflict"
     GROUP_EXISTS = "group_exists"
+    NAME_TAKEN = "name_taken"  # the engine already serves that name (or a case variant)
     LEASE_MAPPED = "lease_mapped"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     BAD_CONTENT_TYPE = "bad_content_type"
@@ -62,6 +65,7 @@ class ErrorCode(str, Enum):
     UNREACHABLE = "unreachable"
     HTTP_ERROR = "http_error"  # a reply without our error shape (a proxy, the engine)
     PUSH_FAILED = "push_failed"  # client side: some servers did not take a version
+    BAD_REPLY = "bad_reply"      # client side: a reply that is not the route's typed message
 
 
 class LoRASyncError(Exception):
@@ -69,6 +73,7 @@ class LoRASyncError(Exception):
 
     status = 500
     code = "internal_error"
+    server: str | None = None  # client side: the server it came from (set by lora_sync.http)
 
     def __init__(self, message: str, *, code: str | None = None, status: int | None = None):
         super().__init__(message)
@@ -78,8 +83,14 @@ class LoRASyncError(Exception):
         if status:
             self.status = status
 
+    def __str__(self) -> str:
+        if self.server and self.server not in self.message:
+            return f"{self.server}: {self.message}"
+        return self.message
+
     def to_json(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message, "status": self.status}}
+        err = {"code": self.code, "message": self.message, "status": self.status}
+        return {"error": {**err, "server": self.server} if self.server else err}
 
 
 class BadAdapter(LoRASyncError):
@@ -145,6 +156,7 @@ class PushFailed(LoRASyncError):
 
 # Codes whose exception class is not the one their status alone would give.
 _CLASS_OF_CODE = {"version_conflict": VersionConflict, "group_exists": Conflict,
+                  "name_taken": Conflict,
                   "lease_mapped": Conflict, "body_timeout": TimedOut,
                   "transfer_failed": TransferFailed}
 _CLASS_OF_STATUS = {cls.status: cls for cls in (BadAdapter, Unauthorized, Forbidden, NotFound,
@@ -152,16 +164,23 @@ _CLASS_OF_STATUS = {cls.status: cls for cls in (BadAdapter, Unauthorized, Forbid
                                                 TransferFailed)}
 
 
-def error_from_json(status: int, body: dict) -> LoRASyncError:
+def error_from_json(status: int, body) -> LoRASyncError:
     """Rebuilds the error a server replied with (client side): by its code first, then by
-    the HTTP status."""
-    err = (body or {}).get("error") or body or {}
-    msg = err.get("message") if isinstance(err, dict) else str(err)
-    msg = msg[:2000] if isinstance(msg, str) else msg  # foreign errors may echo the body
-    code = err.get("code") if isinstance(err, dict) else None
-    if code not in ErrorCode._value2member_map_:
+    the HTTP status. Any body shape gives an error (foreign replies: a proxy's, an engine's)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not err:
+        err = body
+    msg, code, server = (err.get("message"), err.get("code"), err.get("server")) \
+        if isinstance(err, dict) else (err, None, None)
+    if not isinstance(msg, str) or not msg:
+        msg = str(body)
+    msg = msg[:2000]  # foreign errors may echo the body
+    if not isinstance(code, str) or code not in ErrorCode._value2member_map_:
         code = None  # not ours (an engine's or a proxy's reply)
+    status = status if isinstance(status, int) and not isinstance(status, bool) else 500
     cls = _CLASS_OF_CODE.get(code) or _CLASS_OF_STATUS.get(status)
-    if cls is None:
-        return LoRASyncError(msg or str(body), code=code or "http_error", status=status)
-    return cls(msg or str(body), code=code, status=status)
+    e = cls(msg, code=code, status=status) if cls is not None else \
+        LoRASyncError(msg, code=code or "http_error", status=status)
+    if isinstance(server, str) and len(server) <= 300:
+        e.server = server  # shared between a sharded trainer's ranks; lora_sync.http
+    return e                # sets the true one on every reply it reads

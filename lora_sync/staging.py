@@ -232,16 +232,31 @@ def read_header(fd: int, nbytes: int) -> wire.Header:
 # A worker that receives in the background reports through a small file next to the staged
 # bodies, so the API process can wait without keeping an engine RPC (and the engine loop)
 # busy for the whole transfer.
+# Notices live in this API process's staging directory, so they go with it when the server
+# stops (and with the orphan sweep after a kill -9); a notice written after its waiter gave
+# up is swept once it is NOTICE_MAX_AGE_S old.
+NOTICE_MAX_AGE_S = 600.0
+
+
 def notice_paths(workers: int) -> list[str]:
-    base = os.path.join(SHM_DIR, f"lora-sync-done-{uuid.uuid4().hex}")
+    directory = os.path.join(SHM_DIR, f"{AREA_PREFIX}{os.getpid()}", "notices")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    old = time.time() - NOTICE_MAX_AGE_S
+    for entry in os.scandir(directory):
+        if entry.stat().st_mtime < old:
+            discard(entry.path)
+    base = os.path.join(directory, uuid.uuid4().hex)
     return [f"{base}-{rank}.json" for rank in range(workers)]
 
 
 def write_notice(path: str, result: dict) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, path)  # atomic: readers never see half a notice
+    try:
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, path)  # atomic: readers never see half a notice
+    except FileNotFoundError:
+        pass  # the server stopped (its directory went): nobody waits for this notice
 
 
 async def wait_notices(paths: list[str], timeout_s: float, poll_s: float = 0.002) -> list[dict]:

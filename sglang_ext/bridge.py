@@ -30,12 +30,20 @@ class SGLangBridge(EngineBridge):
         return ModelSpec.from_hf_config(engine_api.hf_config(self.tm),
                                         engine_api.max_lora_rank(self.tm))
 
+    def lora_id(self, adapter_id: int) -> str:
+        """SGLang keys adapters, and its radix cache, by string ids."""
+        return engine_api.LORA_ID_PREFIX + self.identity(adapter_id)
+
+    def engine_names(self) -> set[str]:
+        return engine_api.engine_names(self.tm)
+
     def new_adapter_id(self) -> int:
         return next(self._ids)
 
     async def activate(self, served_name, adapter_id):
-        await self.call_workers("register", adapter_id=adapter_id)
-        await engine_api.register_name(self.tm, served_name, engine_api.lora_id_of(adapter_id))
+        await self.call_workers("register", adapter_id=adapter_id,
+                                lora_id=self.lora_id(adapter_id))
+        await engine_api.register_name(self.tm, served_name, self.lora_id(adapter_id))
         return adapter_id
 
     def publish(self, names, handle):
@@ -46,9 +54,9 @@ class SGLangBridge(EngineBridge):
             await engine_api.unregister_name(self.tm, name)
 
     async def in_use(self, adapter_id, served_name):
-        return engine_api.adapter_in_use(self.tm, engine_api.lora_id_of(adapter_id))
+        return engine_api.adapter_in_use(self.tm, self.lora_id(adapter_id))
 
     async def free(self, adapter_ids):
         await self.call_workers("free", adapter_ids=list(adapter_ids))
         for i in adapter_ids:
-            engine_api.forget_usage(self.tm, engine_api.lora_id_of(i))
+            engine_api.forget_usage(self.tm, self.lora_id(i))

@@ -62,6 +62,9 @@ TOUCHED = (
     "sglang.srt.arg_groups.fields.serving:Serving.admin_api_key",
     "sglang.srt.managers.tokenizer_manager:TokenizerManager.lora_registry",
     "sglang.srt.lora.lora_registry:LoRARegistry.register(lora_ref)",
+    "sglang.srt.lora.lora_registry:LoRARef.lora_path",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.served_model_name",
+    "sglang.srt.entrypoints.openai.serving_base:OpenAIServingBase._parse_model_parameter(model)",
     "sglang.srt.lora.lora_registry:LoRARegistry.unregister(lora_name)",
     "sglang.srt.lora.lora_registry:LoRARegistry.get_all_adapters()",
     "sglang.srt.lora.lora_registry:LoRARegistry._counters",
@@ -264,6 +267,28 @@ def mark_admin(router) -> None:
         auth_level(AuthLevel.ADMIN_OPTIONAL)(route.endpoint)
 
 
-def lora_id_of(adapter_id: int) -> str:
-    """SGLang keys adapters by string ids; ours are engine-wide integers."""
-    return f"lora-sync-{adapter_id}"
+# Our SGLang lora ids start with this (SGLangBridge.lora_id); SGLang appends a request's
+# lora_id to its client-set `extra_key` to key the radix cache, so admission refuses an
+# extra_key that carries it.
+LORA_ID_PREFIX = "lora-sync-"
+
+
+def engine_names(tm) -> set[str]:
+    """Every name SGLang serves that is not ours: the served model name and adapters loaded
+    by other means (--lora-paths, its own load route)."""
+    return {tm.served_model_name} | {
+        name for name, ref in list(tm.lora_registry.get_all_adapters().items())
+        if ref.lora_path != LORA_PATH_MARK}
+
+
+def model_adapter(model: str, served_model_name: str) -> str:
+    """The adapter name SGLang's OpenAI routes read from `model`, or `model` itself when it
+    names no adapter: the same parse as SGLang's `_parse_model_parameter` (first colon,
+    the served name matched whole first, stripped), so admission sees what SGLang will."""
+    if ":" not in model or model == served_model_name:
+        return model
+    if model.startswith(f"{served_model_name}:"):
+        adapter = model[len(served_model_name) + 1:]
+    else:
+        adapter = model.split(":", 1)[1]
+    return adapter.strip() or model

@@ -44,9 +44,14 @@ def _on_tokenizer_manager(tm) -> None:
     router = build_router("")
     engine_api.mark_admin(router)
     # SGLang's OpenAI routes pick the adapter from `lora_path`, not from `model`.
+    # SGLang serves the base model for a `model` it does not know: strict_models makes that
+    # a 404, and its "base:adapter" form is read exactly as SGLang reads it.
     app = engine_api.add_routes_and_middleware(router, partial(
         AdmissionMiddleware, own_paths=own_paths(""), also_set=("lora_path",),
-        native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES]))
+        native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES],
+        model_adapter=partial(engine_api.model_adapter,
+                              served_model_name=tm.served_model_name),
+        strict_models=True, cache_key_fields={"extra_key": engine_api.LORA_ID_PREFIX}))
     app.state.lora_sync = service
     # Served by SGLang's /metrics when it runs with --enable-metrics (prometheus_client's
     # multiprocess mode: SGLang set PROMETHEUS_MULTIPROC_DIR before this hook runs).

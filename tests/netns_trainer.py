@@ -76,13 +76,13 @@ def main(out, control, model_dir, addr, url1, url2) -> None:
 
     # The link cut, between the metadata POSTs and the tensors (a hook in the trainer's
     # send: the controller cuts srv2, then the broadcast goes on).
-    send = collective.send_buckets
+    send = collective.send_transfer
 
     def send_after_cut(*args, **kwargs):
         time.sleep(1.0)  # the metadata POSTs (sent on other threads) reach both servers
         signal_and_wait(control, "posted", "cut")
         return send(*args, **kwargs)
-    collective.send_buckets = send_after_cut
+    collective.send_transfer = send_after_cut
     client = LoRASyncClient(both, api_key=API_KEY, timeout=60)
     client.init_group(master_address=addr, timeout_s=5)
     t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def main(out, control, model_dir, addr, url1, url2) -> None:
     except LoRASyncError as e:
         report["cut_error"] = f"{type(e).__name__}: {e.code}: {e.message[:300]}"
     report["cut_error_s"] = time.perf_counter() - t0
-    collective.send_buckets = send
+    collective.send_transfer = send
     client._group.pg.shutdown()  # the broken group; srv1's side is destroyed below
     client._group = None
     client.close()

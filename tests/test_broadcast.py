@@ -62,7 +62,7 @@ def test_bad_metadata_refused_before_any_collective(client, make_adapter, model_
         client.broadcast(too_big, "meta")
     # The server refuses on its own too (no trainer-side check): 4xx, no collective entered.
     body = {"lora_name": "meta", "adapter_config": good.config, "group_name": "default",
-            "tensors": [{"name": "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
+            "group_token": client._group.tokens[0], "transfer_id": 1, "tensors": [{"name": "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
                          "dtype": "F32", "shape": [8, 128]}]}
     status, reply, _ = http.request("POST", client.servers[0].route(
         "load_lora_adapter_from_distributed"), json_body=body, headers=AUTH)
@@ -86,12 +86,18 @@ from lora_sync import LoRASyncClient, LoRAAdapter, collective
 url, engine, adapter_dir, key = sys.argv[1:5]
 c = LoRASyncClient(url, engine=engine, api_key=key)
 c.init_group(timeout_s=10, bucket_bytes=16 * 1024)
-real = collective.send_buckets
-def first_bucket_then_stall(group, buckets, tensors, kept, device="cpu", src=0):
-    real(group, buckets[:1], tensors, kept, device, src)
-    print("SENT-FIRST-BUCKET", flush=True)
-    time.sleep(3600)
-collective.send_buckets = first_bucket_then_stall
+real = collective.send_transfer
+def first_bucket_then_stall(group, *args, **kwargs):
+    queued, start = [], group.start_broadcast
+    def header_and_one_bucket(tensor, src=0):
+        if len(queued) == 2:
+            print("SENT-FIRST-BUCKET", flush=True)
+            time.sleep(3600)
+        queued.append(tensor)
+        return start(tensor, src)
+    group.start_broadcast = header_and_one_bucket
+    real(group, *args, **kwargs)
+collective.send_transfer = first_bucket_then_stall
 c.broadcast(LoRAAdapter.from_dir(adapter_dir), "dying")
 """
 

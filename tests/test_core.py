@@ -134,17 +134,18 @@ def test_names_and_versions():
 
 def test_buckets_round_trip_and_respect_size():
     t = {"a": torch.randn(10, 10), "b": torch.randn(5).half(), "c": torch.randn(30)}
-    plan = collective.plan_buckets(specs_of(t), max_bytes=450)
-    assert [b.dtype for b in plan] == ["F32", "F32", "F16"]
+    transfer = collective.Transfer.plan(specs_of(t), 1, bucket_bytes=450)
+    assert [b.dtype for b in transfer.buckets] == ["F32", "F32", "F16"]
     kept, out = {}, {}
-    for b, flat in zip(plan, collective.send_buffers(plan, kept)):
-        out.update(collective.unpack_bucket(b, collective.pack_bucket(b, t, flat)))
+    for b, frame in zip(transfer.buckets, collective.frame_buffers(transfer, kept)):
+        flat = collective.pack_bucket(b, t, collective.payload(b, frame))
+        out.update(collective.unpack_bucket(b, flat))
     assert all(torch.equal(out[k], t[k]) for k in t)
-    # One kept buffer per dtype, reused (not reallocated) by the next broadcast.
-    assert {k: v.numel() for k, v in kept.items()} == {"F32": 130, "F16": 5}
-    first = kept["F32"].data_ptr()
-    collective.send_buffers(plan, kept)
-    assert kept["F32"].data_ptr() == first
+    # One kept buffer of frames, reused (not reallocated) by the next broadcast.
+    assert kept["frames"].numel() == sum(b.frame_bytes for b in transfer.buckets)
+    first = kept["frames"].data_ptr()
+    collective.frame_buffers(transfer, kept)
+    assert kept["frames"].data_ptr() == first
 
 
 def test_untested_engine_version_is_refused_unless_overridden(monkeypatch):

@@ -32,11 +32,14 @@ class VLLMBridge(EngineBridge):
         return ModelSpec.from_hf_config(engine_api.hf_config(self.engine),
                                         engine_api.max_lora_rank(self.engine))
 
+    def engine_names(self) -> set[str]:
+        return engine_api.engine_names(self.state)
+
     def new_adapter_id(self) -> int:
         return engine_api.next_lora_id(self.state)
 
     async def activate(self, served_name, adapter_id):
-        request = engine_api.lora_request(served_name, adapter_id)
+        request = engine_api.lora_request(served_name, adapter_id, self.identity(adapter_id))
         await engine_api.add_lora(self.engine, request)
         return request
 

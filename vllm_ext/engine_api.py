@@ -35,6 +35,9 @@ TOUCHED = (
     "vllm.entrypoints.launchers.api_server.app_state:init_app_state.openai_serving_models",
     "vllm.entrypoints.openai.models.serving:OpenAIServingModels.lora_requests",
     "vllm.entrypoints.openai.models.serving:OpenAIServingModels.lora_id_counter",
+    "vllm.entrypoints.openai.models.serving:OpenAIServingModels.base_model_paths",
+    "vllm.entrypoints.openai.models.protocol:BaseModelPath.name",
+    "vllm.lora.request:LoRARequest.lora_path",
     "vllm.utils.counter:AtomicCounter.inc(num)",
     "vllm.v1.engine.async_llm:AsyncLLM.output_processor",
     "vllm.v1.engine.output_processor:OutputProcessor.request_states",
@@ -100,12 +103,23 @@ def release() -> dict:
 
 
 # ---------------------------------------------------------------- API-process side
-def lora_request(served_name: str, lora_int_id: int):
+def lora_request(served_name: str, lora_int_id: int, identity: str):
+    """`identity` is new to this engine at every registration (see EngineBridge): vLLM's
+    prefix cache keys blocks by (lora_name, lora_path), so a name that comes back (retire,
+    restart, another client) never meets blocks computed under other weights. The path is
+    never read for our adapters."""
     from vllm.lora.request import LoRARequest
-    # The path is never read for our adapters; it must be non-empty and unique per version
-    # because vLLM's prefix-cache keys include it.
     return LoRARequest(lora_name=served_name, lora_int_id=lora_int_id,
-                       lora_path=f"{LORA_PATH_SCHEME}{served_name}")
+                       lora_path=f"{LORA_PATH_SCHEME}{identity}/{served_name}")
+
+
+def engine_names(app_state) -> set[str]:
+    """Every name vLLM serves that is not ours: served model names and adapters loaded by
+    other means (--lora-modules, its runtime load route)."""
+    models = serving_models(app_state)
+    return {m.name for m in models.base_model_paths} | {
+        name for name, req in list(models.lora_requests.items())
+        if not str(req.lora_path).startswith(LORA_PATH_SCHEME)}
 
 
 # The engine's own routes that load or unload adapters by name (SageMaker's come with

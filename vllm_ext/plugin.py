@@ -52,3 +52,19 @@ class LoRASyncEndpointPlugin:
 
 
 WORKER_EXTENSION = "worker_extensions.vllm.LoRASyncWorkerExtension"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """`vllm.general_plugins` entry point, run in every vLLM process: a process vLLM started
+    (EngineCore, its workers) is SIGKILLed when the process that started it dies, so a
+    SIGKILLed launcher leaves no orphan holding the memory a restarted server needs."""
+    import ctypes
+    import multiprocessing
+    import signal
+    parent = multiprocessing.parent_process()
+    if parent is None:  # the launcher itself: it lives as long as its operator wants
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent.pid:  # the parent died before the line above
+        os._exit(1)

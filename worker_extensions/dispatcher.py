@@ -27,8 +27,9 @@ class WorkerEngine(ABC):
         """Runs when an adapter arrives, so a bad one fails before it is published; returns
         what to keep as `stored.built` (ValueError: the engine refuses the adapter)."""
 
-    def register(self, adapter_id: int, stored: StoredAdapter) -> None:
-        """Hands the adapter to the engine, for engines that register inside the worker."""
+    def register(self, adapter_id: int, stored: StoredAdapter, lora_id: str) -> None:
+        """Hands the adapter to the engine, for engines that register inside the worker,
+        under `lora_id`: the registration's identity (EngineBridge.identity)."""
 
     @abstractmethod
     def unload(self, adapter_id: int) -> None:
@@ -83,8 +84,9 @@ class LoRASyncWorker:
                             notice_paths[rank], work)
         return {}
 
-    def register(self, adapter_id: int) -> None:
-        engine_refusal(self.engine.register, adapter_id, self.state.adapters[adapter_id])
+    def register(self, adapter_id: int, lora_id: str) -> None:
+        engine_refusal(self.engine.register, adapter_id, self.state.adapters[adapter_id],
+                       lora_id)
 
     def free(self, adapter_ids: list) -> dict:
         """Forgets adapters: the engine's cache entry and our in-memory copy."""

@@ -13,6 +13,7 @@ from .receiver import StoredAdapter
 class SGLangWorkerEngine(WorkerEngine):
     def __init__(self, scheduler):
         self.scheduler = scheduler
+        self.lora_ids: dict[int, str] = {}  # adapter id -> SGLang's id (the API's identity)
 
     def rank(self):
         return engine_api.scheduler_rank(self.scheduler)
@@ -20,12 +21,14 @@ class SGLangWorkerEngine(WorkerEngine):
     def build(self, adapter_id: int, stored: StoredAdapter):
         return None  # SGLang builds when it registers, on the scheduler thread
 
-    def register(self, adapter_id: int, stored: StoredAdapter) -> None:
-        engine_api.load_adapter(self.scheduler, engine_api.lora_id_of(adapter_id),
-                                stored.tensors, stored.config)
+    def register(self, adapter_id: int, stored: StoredAdapter, lora_id: str) -> None:
+        self.lora_ids[adapter_id] = lora_id  # before the load: a half-made one is unloaded
+        engine_api.load_adapter(self.scheduler, lora_id, stored.tensors, stored.config)
 
     def unload(self, adapter_id: int) -> None:
-        engine_api.unload_adapter(self.scheduler, engine_api.lora_id_of(adapter_id))
+        lora_id = self.lora_ids.pop(adapter_id, None)
+        if lora_id is not None:
+            engine_api.unload_adapter(self.scheduler, lora_id)
 
     def cached_ids(self):
         return engine_api.loaded_ids(self.scheduler)

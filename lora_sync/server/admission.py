@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..errors import BadAdapter, LoRASyncError, PayloadTooLarge
+from ..errors import BadAdapter, LoRASyncError, NotFound, PayloadTooLarge
 
 # The request header SageMaker routes read the adapter from (vLLM's /invocations).
 SAGEMAKER_ADAPTER_HEADER = b"x-amzn-sagemaker-adapter-identifier"
@@ -41,8 +41,18 @@ class NativeRoute:
 
 class AdmissionMiddleware:
     def __init__(self, app, own_paths: frozenset = frozenset(), native_routes=(),
-                 also_set: tuple[str, ...] = (), engine_guards=None):
+                 also_set: tuple[str, ...] = (), engine_guards=None, model_adapter=None,
+                 strict_models: bool = False, cache_key_fields: dict | None = None):
         self.app = app
+        # model_adapter(model): the adapter name the engine itself reads from `model` (SGLang:
+        # "base:adapter"); admission must see what the engine will, no more, no less.
+        self.model_adapter = model_adapter or (lambda model: model)
+        # strict_models: a `model` that is neither the engine's nor ours is a 404 here
+        # (SGLang would serve the base model for it: an RL trainer would never know).
+        self.strict_models = strict_models
+        # cache_key_fields: {field: marker} client fields the engine folds into a cache key
+        # beside our adapter ids (SGLang's extra_key): a value carrying the marker is refused.
+        self.cache_key_fields = cache_key_fields or {}
         # engine_guards(path): whether the engine's own key middleware covers `path`; where
         # it does not, requests on our adapters are checked against its keys here.
         self.engine_guards = engine_guards
@@ -104,11 +114,16 @@ class AdmissionMiddleware:
                 if place.get(f) is not None:
                     raise BadAdapter(f"field {f!r} is internal to the engine; name the "
                                      "adapter in 'model' or 'lora_path'", code="bad_request")
+            for f, marker in self.cache_key_fields.items():
+                values = place.get(f) if isinstance(place.get(f), list) else [place.get(f)]
+                if any(isinstance(v, str) and marker in v for v in values):
+                    raise BadAdapter(f"field {f!r} must not contain {marker!r}: the engine "
+                                     "keys lora-sync's adapters by it", code="bad_request")
         admitted, ok = [], False
         try:
             header = _header(scope, SAGEMAKER_ADAPTER_HEADER)
             if header is not None:
-                served = self._admit_name(service, header, admitted)
+                served = _admit_name(service, header, admitted)
                 if served is not None:
                     scope = _with_header(scope, SAGEMAKER_ADAPTER_HEADER, served)
             model_served = None
@@ -116,12 +131,15 @@ class AdmissionMiddleware:
                 for f in NAME_FIELDS:
                     value = place.get(f)
                     if isinstance(value, list):
-                        place[f] = [self._admit_name(service, v, admitted) or v for v in value]
-                    elif isinstance(value, str):
-                        served = self._admit_name(service, value, admitted)
-                        if served is not None:
-                            place[f] = served
-                            model_served = model_served or (served if f == "model" else None)
+                        place[f] = [_admit_name(service, v, admitted) or v for v in value]
+                        continue
+                    if not isinstance(value, str):
+                        continue
+                    served = self._admit_model(service, value, admitted) if f == "model" \
+                        else _admit_name(service, value, admitted)
+                    if served is not None:
+                        place[f] = served
+                        model_served = model_served or (served if f == "model" else None)
             if model_served is not None:
                 for f in self.also_set:  # SGLang serves the adapter named in lora_path
                     if request.get(f) not in (None, model_served):
@@ -141,17 +159,26 @@ class AdmissionMiddleware:
             scope = _with_header(scope, b"content-length", str(len(body)))
         return admitted, scope, body
 
-    @staticmethod
-    def _admit_name(service, value, admitted: list) -> str | None:
-        """The versioned name `value` resolves to, if it is one of ours (counted in flight)."""
-        if not isinstance(value, str):
-            return None
-        # SGLang style "base:adapter" names the adapter after the colon.
-        record = service.admit(value.rsplit(":", 1)[-1])
-        if record is None:
-            return None
-        admitted.append(record)
-        return record.served_name
+    def _admit_model(self, service, model: str, admitted: list) -> str | None:
+        """`model` read as the engine reads it: the versioned name it resolves to if it is
+        ours; with strict_models, a name neither we nor the engine serve is a 404."""
+        name = self.model_adapter(model)
+        served = _admit_name(service, name, admitted)
+        if served is None and self.strict_models and not service.serves(name):
+            raise NotFound(f"model {name[:140]!r} is not served here (neither a model nor an "
+                           "adapter of this server)", code="model_not_found")
+        return served
+
+
+def _admit_name(service, value, admitted: list) -> str | None:
+    """The versioned name `value` resolves to, if it is one of ours (counted in flight)."""
+    if not isinstance(value, str):
+        return None
+    record = service.admit(value)
+    if record is None:
+        return None
+    admitted.append(record)
+    return record.served_name
 
 
 def _native_name(route: NativeRoute, scope, request) -> str | None:

@@ -2,6 +2,7 @@
 its workers (the ops of worker_extensions/dispatcher.py) plus activate, publish and free."""
 from __future__ import annotations
 
+import secrets
 from abc import ABC, abstractmethod
 
 from ..adapter import ModelSpec
@@ -11,7 +12,24 @@ from ..staging import notice_paths, wait_notices
 
 class EngineBridge(ABC):
     """How the shared service reaches one engine. Worker calls act on all of its workers and
-    raise LoRASyncError when any worker refuses."""
+    raise LoRASyncError when any worker refuses.
+
+    Identity rule: every registration gets `identity(adapter_id)`, which the engine has never
+    seen in any key it caches by (prefix/radix cache, LoRA caches). It joins a secret nonce,
+    new at every start, to the adapter id, which never repeats within a start: so retire,
+    re-push, restart or a second client never meet blocks computed under other weights, and
+    no client can name another registration's cache key."""
+
+    nonce: str = ""
+
+    def identity(self, adapter_id: int) -> str:
+        if not self.nonce:
+            self.nonce = secrets.token_hex(8)
+        return f"{self.nonce}-{adapter_id}"
+
+    @abstractmethod
+    def engine_names(self) -> set[str]:
+        """Every model or adapter name the engine serves that is not lora-sync's."""
 
     @abstractmethod
     async def model_spec(self) -> ModelSpec:

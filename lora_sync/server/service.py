@@ -8,13 +8,14 @@ import math
 import os
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from .. import naming
 from ..adapter import (META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check_adapter,
                        parse_config)
 from ..adapter import ModelSpec
-from ..errors import Forbidden, NotFound, TooBusy, Unauthorized
+from ..errors import Conflict, Forbidden, NotFound, TooBusy, Unauthorized
 from ..staging import BodyLimits, StagedBody, StagingArea
 from ..transports import TRANSPORTS
 from . import metrics
@@ -22,6 +23,8 @@ from .bridge import EngineBridge
 
 # How often a drained version asks the engine whether a request still uses it.
 DRAIN_POLL_S = 0.05
+# Retired names remembered so a request on one gets `version_retired`, never another model.
+RETIRED_NAMES_KEPT = 4096
 
 
 @dataclass
@@ -121,6 +124,7 @@ class AdapterService:
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
         self._background: set = set()                 # other work after a reply
+        self.retired_names: OrderedDict[str, None] = OrderedDict()  # oldest first, bounded
 
     async def model_spec(self) -> ModelSpec:
         if self._spec is None:
@@ -159,12 +163,29 @@ class AdapterService:
 
     def owns(self, name: str) -> bool:
         """Our names: an alias, any `-v<N>` name (lora-sync's namespace, so nobody can squat
-        a version a trainer will push next), and anything we registered."""
+        a version a trainer will push next), and anything we registered, in any letter case
+        (the engine's routes must not add a case variant beside ours)."""
         base, version = naming.split_versioned(name.rsplit(":", 1)[-1])
-        return version is not None or base in self._names() or name in self.records
+        return version is not None or base.casefold() in {n.casefold() for n in self._names()} \
+            or name in self.records
 
     def _names(self) -> set[str]:
         return self.book.names() | {r.name for r in self.records.values()}
+
+    def check_disjoint(self, name: str) -> None:
+        """Disjointness rule: no name we serve (the alias, any `name-v<N>`) equals a name the
+        engine serves (its served model names, adapters it loaded itself), compared without
+        letter case; names are ASCII (naming.check_name), so no Unicode form can alias."""
+        ours = name.casefold()
+        for engine_name in self.bridge.engine_names():
+            theirs = engine_name.casefold()
+            if ours in (theirs, naming.split_versioned(theirs)[0]):
+                raise Conflict(f"{name!r} would shadow {engine_name!r}, which the engine "
+                               "already serves; push under another name", code="name_taken")
+
+    def serves(self, name: str) -> bool:
+        """Whether the engine itself serves `name` (a model or one of its own adapters)."""
+        return name in self.bridge.engine_names()
 
     # -- what the transports' routes build on (lora_sync/transports) -------------------
     async def receive_body(self, chunks, content_length: int | None) -> StagedBody:
@@ -217,6 +238,7 @@ class AdapterService:
                 raise TooBusy(f"this server already holds {self.settings.max_names} adapter "
                               "names (LORA_SYNC_MAX_NAMES); retire one with "
                               "retire_lora_adapter first", code="too_many_names")
+            self.check_disjoint(name)
             version = self.book.reserve(name, version_req)
             adapter_id = self.bridge.new_adapter_id()
             t1 = time.perf_counter()
@@ -237,6 +259,7 @@ class AdapterService:
             rec = AdapterRecord(name, version, served, adapter_id, nbytes, int(cfg["r"]),
                                 transport, (t3 - t0) * 1e3, hold=hold)
             self.records[served] = rec
+            self.retired_names.pop(name, None)
             self._retire(name, retired)
             metrics.state_changed()
         return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
@@ -254,22 +277,27 @@ class AdapterService:
             if not versions:
                 raise NotFound(f"no adapter named {name!r}", code="not_found")
             self._retire(name, versions)
+            self.retired_names[name] = None
+            while len(self.retired_names) > RETIRED_NAMES_KEPT:
+                self.retired_names.popitem(last=False)
         draining = sorted(r.version for r in self.records.values() if r.name == name)
         return {"lora_name": name, "retired": versions, "draining": draining}
 
     # -- admission (see admission.py) -------------------------------------------------
     def admit(self, requested: str) -> AdapterRecord | None:
         """The record a generation request naming `requested` will use (counted in flight),
-        or None when the name is not ours. A retired or unknown version of one of our names
-        raises NotFound."""
+        or None when the name is not ours. A retired or unknown version of one of our names,
+        or a retired name, raises NotFound: never another model."""
         name, version = naming.split_versioned(requested)
         if version is None:
             latest = self.book.latest(requested)
             if latest is None:
+                if requested in self.retired_names:
+                    raise NotFound(f"{requested} was retired", code="version_retired")
                 return None
             rec = self.records[naming.versioned(requested, latest)]
         else:
-            if name not in self._names():
+            if name not in self._names() and name not in self.retired_names:
                 return None
             rec = self.records.get(requested)
             if rec is None or rec.retired:

@@ -6,24 +6,33 @@ tensors in buckets; only the metadata crosses HTTP.
   typed messages InitGroupRequest, DistributedLoadRequest
   server routes  /init_lora_update_group, /load_lora_adapter_from_distributed,
                  /destroy_lora_update_group
-  worker intake  receive the buckets into reused buffers"""
+  worker intake  receive the framed buckets into reused buffers, checked before use
+
+Rules: a group belongs to the client that created it (init returns a token that loading on
+it and destroying it take); what the workers receive is framed and checked against the
+declaration before it is used (collective.Transfer): a mismatch drops the group and fails
+the push with a 400, and the previous versions keep serving."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import re
+import secrets
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import collective, http, naming
 from ..adapter import LoRAAdapter, ModelSpec, check_adapter, parse_config
 from ..errors import (BadAdapter, Forbidden, LoRASyncError, PayloadTooLarge, TooBusy,
                       TransferFailed)
 from ..fields import field as json_field
-from ..wire import DTYPES, MAX_TENSORS, TensorSpec
+from ..wire import MAX_TENSORS, TensorSpec
 from .base import PushResult, Received, Route
 
 INIT_ROUTE = "init_lora_update_group"
@@ -31,6 +40,7 @@ LOAD_ROUTE = "load_lora_adapter_from_distributed"
 DESTROY_ROUTE = "destroy_lora_update_group"
 MAX_WORLD_SIZE = 4096
 MAX_GROUP_TIMEOUT_S = 3600.0
+MAX_TRANSFER_ID = 2 ** 63 - 1
 _CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -43,8 +53,9 @@ class TrainerGroup:
     device: str
     bucket_bytes: int
     timeout_s: float
+    tokens: list = field(default_factory=list)  # per server: the group's ownership token
     broken: bool = False
-    send_buffers: dict = field(default_factory=dict)  # dtype -> flat buffer, kept between pushes
+    send_buffers: dict = field(default_factory=dict)  # the frames, kept between pushes
 
 
 def init_group(client, master_address: str, master_port: int, backend: str = "gloo",
@@ -66,10 +77,10 @@ def init_group(client, master_address: str, master_port: int, backend: str = "gl
                  for s, b in zip(client.servers, bodies)]
         pg = collective.create_group(master_address, master_port, 0, world, backend,
                                      timeout_s)
-        for j in joins:
-            j.result()
+        replies = [j.result()[0] for j in joins]
     device = "cuda" if backend == "nccl" else "cpu"
-    group = TrainerGroup(group_name, pg, world, backend, device, bucket_bytes, timeout_s)
+    group = TrainerGroup(group_name, pg, world, backend, device, bucket_bytes, timeout_s,
+                         [r.get("group_token") for r in replies])
     group.specs = [ModelSpec({k: tuple(v) for k, v in i["linear_modules"].items()},
                              int(i["max_lora_rank"])) for i in infos]
     return group
@@ -85,22 +96,24 @@ def broadcast(client, group: TrainerGroup, adapter: LoRAAdapter, name: str,
     specs = adapter.specs()
     for spec in group.specs:  # refuse before any collective call
         check_adapter(specs, adapter.config, spec)
+    transfer = collective.Transfer.plan(specs, secrets.randbelow(MAX_TRANSFER_ID) + 1,
+                                        group.bucket_bytes)
     body = {"lora_name": name, "version": version, "adapter_config": adapter.config,
             "tensors": [s.to_json() for s in specs], "group_name": group.name,
-            "bucket_bytes": group.bucket_bytes,
+            "bucket_bytes": group.bucket_bytes, "transfer_id": transfer.transfer_id,
             "checksum": adapter.checksum() if checksum else None}
-    plan = collective.plan_buckets(specs, group.bucket_bytes)
     t0 = time.perf_counter()
     posts = [client._pool.submit(http.call, "POST", s.route(LOAD_ROUTE),
-                                 json_body=body, headers=client.headers,
-                                 timeout=group.timeout_s + 60) for s in client.servers]
+                                 json_body={**body, "group_token": token},
+                                 headers=client.headers, timeout=group.timeout_s + 60)
+             for s, token in zip(client.servers, group.tokens)]
     sent = threading.Event()
     errors: list[BaseException] = []
 
     def send():
         try:
-            collective.send_buckets(group.pg, plan, adapter.tensors, group.send_buffers,
-                                    group.device)
+            collective.send_transfer(group.pg, transfer, adapter.tensors, group.send_buffers,
+                                     group.device)
         except BaseException as e:
             errors.append(e)
         finally:
@@ -111,7 +124,8 @@ def broadcast(client, group: TrainerGroup, adapter: LoRAAdapter, name: str,
     try:
         for s, p in zip(client.servers, posts):
             reply, _ = p.result()
-            results.append(PushResult.from_reply(s.url, reply, time.perf_counter() - t0))
+            results.append(PushResult.from_reply(s.url, reply, time.perf_counter() - t0,
+                                                 name, version))
     except LoRASyncError:
         # A server refused after the broadcast started: its peers' receive may now be
         # out of step, so the group cannot be trusted any more.
@@ -124,8 +138,10 @@ def broadcast(client, group: TrainerGroup, adapter: LoRAAdapter, name: str,
 
 
 def destroy_group(client, group: TrainerGroup) -> None:
+    tokens = dict(zip((s.url for s in client.servers), group.tokens))
     client._each(lambda s: http.call("POST", s.route(DESTROY_ROUTE),
-                                     json_body={"group_name": group.name},
+                                     json_body={"group_name": group.name,
+                                                "group_token": tokens.get(s.url)},
                                      headers=client.headers, timeout=client.timeout))
     group.pg.shutdown()
 
@@ -134,6 +150,10 @@ def destroy_group(client, group: TrainerGroup) -> None:
 def group_name_of(body: dict) -> str:
     return naming.check_name(json_field(body, "group_name", str, "default", max_len=128),
                              "group_name")
+
+
+def group_token_of(body: dict, where: str) -> str:
+    return json_field(body, "group_token", str, max_len=64, where=where)
 
 
 @dataclass(frozen=True)
@@ -172,12 +192,20 @@ class DistributedLoadRequest:
     config: dict
     specs: list[TensorSpec]
     group_name: str
+    group_token: str
     bucket_bytes: int
+    transfer_id: int
     checksum: str | None
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
+
+    @property
+    def frames_nbytes(self) -> int:
+        """What the workers allocate to receive it (payload, padding, trailers)."""
+        return sum(b.frame_bytes for b in collective.plan_buckets(self.specs,
+                                                                  self.bucket_bytes))
 
     @classmethod
     def from_json(cls, body: dict) -> "DistributedLoadRequest":
@@ -200,17 +228,36 @@ class DistributedLoadRequest:
             lora_name=naming.check_name(body.get("lora_name")),
             version=naming.parse_version(body.get("version")),
             config=config if config is not None else {}, specs=specs,
-            group_name=group_name_of(body),
+            group_name=group_name_of(body), group_token=group_token_of(body, where),
             bucket_bytes=json_field(body, "bucket_bytes", int, collective.DEFAULT_BUCKET_BYTES,
                                     lo=1 << 12, hi=1 << 30, where=where),
+            transfer_id=json_field(body, "transfer_id", int, lo=1, hi=MAX_TRANSFER_ID,
+                                   where=where),
             checksum=checksum)
 
 
 # -- server routes (API process) --------------------------------------------------------
 @dataclass
 class Groups:
-    """The server's view of its update groups: each one's timeout."""
+    """The server's view of its update groups: each one's timeout and ownership token."""
     timeouts: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    def forget(self, group_name: str) -> None:
+        self.timeouts.pop(group_name, None)
+        self.tokens.pop(group_name, None)
+
+    def check_owner(self, group_name: str, token: str | None) -> None:
+        """Only the client that created a group may load on it or destroy it."""
+        owner = self.tokens.get(group_name)
+        if owner is None:
+            raise BadAdapter(f"no LoRA update group {group_name!r} on this server; call "
+                             "init_lora_update_group first", code="no_group")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(),
+                                                                 owner.encode()):
+            raise Forbidden(f"group {group_name!r} belongs to the client that created it: "
+                            "'group_token' must be the token its init returned",
+                            code="bad_token")
 
 
 def server_state(settings) -> Groups:
@@ -240,36 +287,49 @@ async def init(service, body: dict) -> dict:
         if e.code != "group_exists":  # a half-made group (some workers joined) goes
             await asyncio.shield(_destroy_on_workers(service, req.group_name))
         raise
-    service.transport_state["broadcast"].timeouts[req.group_name] = req.timeout_s
-    return {"group_name": req.group_name, "workers": workers,
+    groups = service.transport_state["broadcast"]
+    groups.timeouts[req.group_name] = req.timeout_s
+    groups.tokens[req.group_name] = token = secrets.token_urlsafe(24)
+    return {"group_name": req.group_name, "workers": workers, "group_token": token,
             "ms": (time.perf_counter() - t0) * 1e3}
 
 
 async def load(service, body: dict) -> dict:
     t0 = time.perf_counter()
     req = DistributedLoadRequest.from_json(body)
+    groups = service.transport_state["broadcast"]
+    groups.check_owner(req.group_name, req.group_token)
     cfg = check_adapter(req.specs, req.config, await service.model_spec())
-    if req.nbytes > service.settings.max_body_bytes:  # what the workers would allocate
-        raise PayloadTooLarge(f"the adapter is {req.nbytes} bytes, above the limit of "
-                              f"{service.settings.max_body_bytes} (LORA_SYNC_MAX_BODY_MB)")
+    if req.frames_nbytes > service.settings.max_body_bytes:  # what the workers allocate
+        raise PayloadTooLarge(f"the adapter is {req.frames_nbytes} bytes framed, above the "
+                              f"limit of {service.settings.max_body_bytes} "
+                              "(LORA_SYNC_MAX_BODY_MB)")
     settle_ms = await service.settle()
-    wait_s = service.transport_state["broadcast"].timeouts.get(req.group_name, 120.0) + 30
+    wait_s = groups.timeouts.get(req.group_name, 120.0) + 30
 
     async def receive(adapter_id):
         return await service.bridge.call_workers_in_background(
             "intake", wait_s, transport="broadcast", adapter_id=adapter_id, config=cfg,
             checksum=req.checksum, group_name=req.group_name,
-            specs=[s.to_json() for s in req.specs], bucket_bytes=req.bucket_bytes)
-    reply = await service.install(req.lora_name, req.version, cfg, req.nbytes, "broadcast",
-                                  receive, t0)
+            specs=[s.to_json() for s in req.specs], bucket_bytes=req.bucket_bytes,
+            transfer_id=req.transfer_id)
+    try:
+        reply = await service.install(req.lora_name, req.version, cfg, req.nbytes,
+                                      "broadcast", receive, t0)
+    except LoRASyncError as e:
+        if e.code in ("transfer_mismatch", "transfer_failed"):  # the workers dropped it
+            groups.forget(req.group_name)
+        raise
     reply["timings_ms"]["settle"] = settle_ms
     return reply
 
 
 async def destroy(service, body: dict) -> dict:
     group = group_name_of(body)
+    groups = service.transport_state["broadcast"]
+    groups.check_owner(group, group_token_of(body, DESTROY_ROUTE))
     await _destroy_on_workers(service, group)
-    service.transport_state["broadcast"].timeouts.pop(group, None)
+    groups.forget(group)
     return {"group_name": group, "destroyed": True}
 
 
@@ -301,14 +361,22 @@ ROUTES = {f"/{INIT_ROUTE}": Route(init), f"/{LOAD_ROUTE}": Route(load),
 
 
 # -- worker side ------------------------------------------------------------------------
-def worker_intake(worker, group_name: str, specs: list, bucket_bytes: int) -> Received:
-    """Receives the buckets into reused buffers (filling memory that is already mapped is
-    several times cheaper than fresh pages; docs/protocol.md)."""
+def worker_intake(worker, group_name: str, specs: list, bucket_bytes: int,
+                  transfer_id: int) -> Received:
+    """Receives the framed buckets into reused buffers (filling memory that is already
+    mapped is several times cheaper than fresh pages; docs/protocol.md), checking the frames
+    against the declaration before the tensors are used."""
     pg, device = worker.group(group_name)
-    plan = collective.plan_buckets([TensorSpec.from_json(s) for s in specs], bucket_bytes)
-    buffers = [worker.take_buffer(DTYPES[b.dtype], b.numel, device) for b in plan]
+    transfer = collective.Transfer.plan([TensorSpec.from_json(s) for s in specs],
+                                        transfer_id, bucket_bytes)
+    buffers = [worker.take_buffer(torch.uint8, b.frame_bytes, device)
+               for b in transfer.buckets]
     try:
-        tensors = collective.receive_buckets(pg, plan, buffers)
+        tensors = collective.receive_transfer(pg, transfer, buffers)
+    except collective.FrameMismatch as e:  # the trainer is out of step: the group is too
+        worker.destroy_group(group_name)
+        raise BadAdapter(f"{e}; the group was dropped, create a new one",
+                         code="transfer_mismatch") from e
     except Exception as e:  # a dead or slow trainer: the group is no longer usable
         worker.destroy_group(group_name)
         raise TransferFailed(f"broadcast in group {group_name!r} failed ({e}); the group "
@@ -317,4 +385,4 @@ def worker_intake(worker, group_name: str, specs: list, bucket_bytes: int) -> Re
         tensors = {k: v.cpu() for k, v in tensors.items()}
         worker.keep_spares(buffers)
         buffers = []
-    return Received(tensors, sum(s.nbytes for b in plan for s in b.specs), buffers)
+    return Received(tensors, transfer.nbytes, buffers)
