@@ -5,20 +5,24 @@
     lora-sync --server URL info
     lora-sync --server URL1 --server URL2 resync ./adapter_dir --name policy
 
-Servers also come from LORA_SYNC_SERVERS (comma-separated), the key from LORA_SYNC_API_KEY.
-The engine of each server is found by asking it (vLLM serves our routes under /v1).
-Exit codes: 0 done; 1 a server refused or failed (the message names it); 2 bad usage or
-input (a missing directory, an unreadable adapter)."""
+Servers also come from LORA_SYNC_SERVERS (URLs separated by commas and/or whitespace), the
+key from LORA_SYNC_API_KEY. The engine of each server is found by asking it (vLLM serves our
+routes under /v1). Each server's failure is its own: a dead server does not stop the others.
+Exit codes: 0 done; 1 a server refused or failed (one line per failed server names it);
+2 bad usage or input (a malformed URL, a missing directory, an unreadable adapter)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from . import http, naming
 from .client import TRANSPORT_CHOICES, LoRASyncClient
-from .errors import LoRASyncError, PushFailed
+from .errors import LoRASyncError
 from .transports.base import Server
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -31,19 +35,46 @@ def detect_engine(url: str, headers: dict, timeout: float) -> str:
                                     headers=headers, timeout=timeout)
         if status != 404:
             return engine
-    raise LoRASyncError(f"{url} serves no lora-sync routes (is it started through the "
+    err = LoRASyncError(f"{url} serves no lora-sync routes (is it started through the "
                         "lora-sync launcher or plugin?)", code="not_found", status=404)
+    err.server = url
+    raise err
 
 
-def make_client(args) -> LoRASyncClient:
-    urls = args.server or [u for u in os.environ.get("LORA_SYNC_SERVERS", "").split(",") if u]
+def server_urls(args) -> list[str]:
+    urls = args.server or re.split(r"[\s,]+", os.environ.get("LORA_SYNC_SERVERS", "").strip())
+    urls = [u for u in urls if u]
     if not urls:
-        raise UsageError("no server: pass --server URL (repeatable) or set LORA_SYNC_SERVERS")
+        raise UsageError("no server: pass --server URL (repeatable) or set LORA_SYNC_SERVERS "
+                         "(URLs separated by commas and/or spaces)")
+    for url in urls:
+        try:
+            http.check_url(url)
+        except ValueError as e:
+            raise UsageError(f"{e} (from {'--server' if args.server else 'LORA_SYNC_SERVERS'})")
+    return list(dict.fromkeys(urls))
+
+
+def find_servers(args, failed: dict) -> list[Server]:
+    """Each URL's engine (asked of the server unless --engine names it); a server that does
+    not answer goes into `failed` (url -> its LoRASyncError), the others are returned."""
+    urls = server_urls(args)
+    if args.engine != "auto":
+        return [Server(u, args.engine) for u in urls]
     key = args.api_key_value
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    servers = [Server(u, args.engine if args.engine != "auto"
-                      else detect_engine(u, headers, args.timeout)) for u in urls]
-    return LoRASyncClient(servers, api_key=key, timeout=args.timeout)
+    deadline = time.monotonic() + min(args.timeout, 10.0)  # the command gets its own
+
+    def detect(url: str):
+        try:
+            with http.within(deadline):
+                return Server(url, detect_engine(url, headers, args.timeout))
+        except LoRASyncError as e:
+            return e
+    with ThreadPoolExecutor(len(urls)) as pool:
+        found = list(pool.map(detect, urls))
+    failed.update((u, f) for u, f in zip(urls, found) if isinstance(f, LoRASyncError))
+    return [f for f in found if isinstance(f, Server)]
 
 
 class UsageError(Exception):
@@ -51,69 +82,100 @@ class UsageError(Exception):
 
 
 def read_adapter(path: str):
+    from safetensors import SafetensorError
+
     from .adapter import LoRAAdapter
     for needed in ("adapter_config.json", "adapter_model.safetensors"):
         if not os.path.isfile(os.path.join(path, needed)):
             raise UsageError(f"{path} is not a PEFT adapter directory (no {needed})")
     try:
         return LoRAAdapter.from_dir(path)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read the adapter in {path}: {e}") from e
+    except (OSError, ValueError, TypeError, KeyError, RecursionError, SafetensorError,
+            LoRASyncError) as e:
+        raise UsageError(f"cannot read the adapter in {path}: {type(e).__name__}: "
+                         f"{str(e)[:500]}") from e
 
 
-# -- commands ---------------------------------------------------------------------------
-def cmd_push(client: LoRASyncClient, args) -> list[str]:
-    results = client.push(read_adapter(args.dir), args.name, args.version, args.transport,
+def failure_line(url: str, e: LoRASyncError) -> str:
+    return f"{url}  FAILED  {e.code}: {e.message}"
+
+
+def per_server(client: LoRASyncClient, fn, failed: dict, lines: list | None = None):
+    """(server, fn(server)) for each server that answered within the timeout, in order;
+    each other one goes into `failed` (and its FAILED line into `lines`, if given)."""
+    def guarded(server: Server):
+        try:
+            return fn(server)
+        except LoRASyncError as e:
+            return e
+    for server, got in zip(client.servers, client._each(guarded, client._deadline(),
+                                                        late=lambda server, e: e)):
+        if not isinstance(got, LoRASyncError):
+            yield server, got
+            continue
+        failed[server.url] = got
+        if lines is not None:
+            lines.append(failure_line(server.url, got))
+
+
+# -- commands: each returns its output lines and puts failed servers in `failed` ---------
+def cmd_push(client: LoRASyncClient, args, failed: dict) -> list[str]:
+    results = client.push(args.adapter, args.name, args.version, args.transport,
                           on_error="skip")
-    lines = [f"{r.server}  {r.name}  {r.transport}  {r.bytes} bytes  {r.seconds * 1e3:.0f} ms"
-             if r.ok else f"{r.server}  FAILED  {r.error.code}: {r.error.message}"
-             for r in results]
-    if not all(r.ok for r in results):
-        raise PushFailed(results)
-    return lines
+    failed.update((r.server, r.error) for r in results if not r.ok)
+    return [f"{r.server}  {r.name}  {r.transport}  {r.bytes} bytes  {r.seconds * 1e3:.0f} ms"
+            if r.ok else failure_line(r.server, r.error) for r in results]
 
 
-def cmd_ls(client: LoRASyncClient, args) -> list[str]:
+def cmd_ls(client: LoRASyncClient, args, failed: dict) -> list[str]:
     lines = []
-    for server, listing in zip(client.servers, client.adapters()):
-        lines.append(f"{server.url}  (instance {listing.get('instance_id', '?')[:12]}, "
-                     f"keeps {listing.get('keep_versions')} versions per name)")
-        for entry in listing["adapters"]:
-            versions = ", ".join(f"{v['served_name']} ({v['inflight']} in flight)"
-                                 for v in entry["versions"])
-            lines.append(f"  {entry['name']} -> {entry['alias_target']}: {versions or '-'}"
-                         + (f"; draining {entry['draining']}" if entry["draining"] else ""))
-        if not listing["adapters"]:
+    for server, listing in per_server(client, lambda s: client._listing(s, client.timeout),
+                                      failed, lines):
+        lines.append(f"{server.url}  (instance {(listing.instance_id or '?')[:12]}, "
+                     f"keeps {listing.keep_versions} versions per name)")
+        for entry in listing.adapters:
+            versions = ", ".join(f"{v.served_name} ({v.inflight} in flight)"
+                                 for v in entry.versions)
+            lines.append(f"  {entry.name} -> {entry.alias_target}: {versions or '-'}"
+                         + (f"; draining {list(entry.draining)}" if entry.draining else ""))
+        if not listing.adapters:
             lines.append("  (no adapters)")
     return lines
 
 
-def cmd_info(client: LoRASyncClient, args) -> list[str]:
-    return [json.dumps({"server": s.url, "engine": s.engine, **info}, indent=1)
-            for s, info in zip(client.servers, client.info())]
+def cmd_info(client: LoRASyncClient, args, failed: dict) -> list[str]:
+    lines = []
+    for server, info in per_server(client, client._info, failed, lines):
+        lines.append(json.dumps({"server": server.url, "engine": server.engine, **info.raw},
+                                indent=1))
+    return lines
 
 
-def cmd_resync(client: LoRASyncClient, args) -> list[str]:
+def cmd_resync(client: LoRASyncClient, args, failed: dict) -> list[str]:
     """Stateless: the fleet's newest version of the name, pushed from DIR to every server
     that lacks it (a restarted server, one that missed a push)."""
-    adapter = read_adapter(args.dir)
-    held = client.newest_versions(args.name)
-    newest = max([v for v in held if v] or [0])
-    if newest == 0:
+    held = {server.url: max(listing.versions_by_name().get(args.name, ()), default=0)
+            for server, listing in per_server(
+                client, lambda s: client._listing(s, client.timeout), failed)}
+    newest = max(held.values(), default=0)
+    if newest == 0 and not failed:
         raise UsageError(f"no server holds {args.name!r}: use push")
+    served = naming.versioned(args.name, newest)
     lines = []
-    for server, have in zip(client.servers, held):
-        served = naming.versioned(args.name, newest)
-        if have == newest:
-            lines.append(f"{server.url}  has {served}")
-            continue
-        with LoRASyncClient([server], api_key=args.api_key_value,
-                            timeout=client.timeout) as one:
-            [r] = one.push(adapter, args.name, newest, on_error="skip")
-        lines.append(f"{server.url}  pushed {served}" if r.ok else
-                     f"{server.url}  FAILED  {r.error.code}: {r.error.message}")
-        if not r.ok:
-            raise PushFailed([r])
+    for server in client.servers:
+        if server.url in failed:
+            lines.append(failure_line(server.url, failed[server.url]))
+        elif newest == 0 or held[server.url] == newest:
+            lines.append(f"{server.url}  has {served if newest else 'no version'}")
+        else:
+            with LoRASyncClient([server], api_key=args.api_key_value,
+                                timeout=client.timeout) as one:
+                [r] = one.push(args.adapter, args.name, newest, on_error="skip")
+            if r.ok:
+                lines.append(f"{server.url}  pushed {served}")
+            else:
+                failed[server.url] = r.error
+                lines.append(failure_line(server.url, r.error))
     return lines
 
 
@@ -123,10 +185,12 @@ COMMANDS = {"push": cmd_push, "ls": cmd_ls, "info": cmd_info, "resync": cmd_resy
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lora-sync", description=__doc__.split("\n\n")[0])
     p.add_argument("--server", action="append", metavar="URL",
-                   help="a server's base URL (repeat for several; default LORA_SYNC_SERVERS)")
+                   help="a server's base URL, e.g. http://127.0.0.1:8000 (repeat for several; "
+                        "default: LORA_SYNC_SERVERS, URLs separated by commas and/or spaces)")
     p.add_argument("--engine", choices=("auto", "vllm", "sglang"), default="auto")
     p.add_argument("--api-key", help="the servers' LORA_SYNC_API_KEY (default: that variable)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per server call")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a command waits for the servers, each call as a whole")
     sub = p.add_subparsers(dest="command", required=True)
     helps = {"push": "push a PEFT adapter directory as the name's next version",
              "resync": "push DIR as the name's newest version to the servers that lack it"}
@@ -146,20 +210,29 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     args.api_key_value = args.api_key or os.environ.get("LORA_SYNC_API_KEY")
+    failed: dict[str, LoRASyncError] = {}  # server url -> why it failed
+    lines = []
     try:
-        client = make_client(args)
-        try:
-            lines = COMMANDS[args.command](client, args)
-        finally:
-            client.close()
+        if args.command in ("push", "resync"):
+            args.adapter = read_adapter(args.dir)  # bad input: nothing is sent anywhere
+        servers = find_servers(args, failed)
+        if servers:
+            with LoRASyncClient(servers, api_key=args.api_key_value,
+                                timeout=args.timeout) as client:
+                lines = COMMANDS[args.command](client, args, failed)
+        lines += [failure_line(u, e) for u, e in failed.items()
+                  if u not in {s.url for s in servers}]  # engine detection failed
     except UsageError as e:
         print(f"lora-sync: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except LoRASyncError as e:
-        print(f"lora-sync: error: {e.code}: {e.message}", file=sys.stderr)
-        return EXIT_FAILED
-    print("\n".join(lines))
-    return EXIT_OK
+        failed[e.server or "lora-sync"] = e
+    if lines:
+        print("\n".join(lines))
+    for url, e in failed.items():
+        named = e.message if url in e.message else f"{url}: {e.message}"
+        print(f"lora-sync: error: {e.code}: {named}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -3,21 +3,26 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
 
-from . import http, naming, sharded
+from . import http, naming, replies, sharded
 from .adapter import LoRAAdapter
 from .collective import free_port
-from .errors import LoRASyncError, PushFailed
+from .errors import LoRASyncError, PushFailed, TooBusy
 from .fleet import FleetMemory
 from .transports import PER_SERVER, TRANSPORTS, broadcast
 from .transports.base import PushResult, Server
+from .transports.shm import LeaseRefused
 
 # The engines' own routes for adapters on disk (the baseline lora-sync replaces).
 NATIVE_ROUTES = {"vllm": {"load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter"},
                  "sglang": {"load": "/load_lora_adapter", "unload": "/unload_lora_adapter"}}
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 ON_ERROR = ("raise", "skip")
+# How long past a call's deadline a server's thread may take to report before the call
+# gives up on it (its HTTP calls already end at the deadline; this covers the rest).
+LATE_GRACE_S = 1.0
 
 
 def as_adapter(adapter) -> LoRAAdapter:
@@ -30,8 +35,15 @@ def as_adapter(adapter) -> LoRAAdapter:
 
 
 class LoRASyncClient:
-    """`remember`: keep a copy of each name's newest adapter so a restarted server gets it
-    back (`resync`); False keeps only version numbers (see lora_sync/fleet.py)."""
+    """`servers`: URLs or `Server(url, engine)`s. `api_key`: the servers' admin key
+    (LORA_SYNC_API_KEY), sent as `Authorization: Bearer`. `timeout`: seconds any one call
+    (push, resync, info, ...) may take in all, every server, retry and resync included; a
+    server that has not answered by then is that server's failure (`unreachable`).
+    `remember`: keep a copy of each name's newest adapter so a restarted server gets it
+    back (`resync`); False keeps only version numbers (see lora_sync/fleet.py).
+
+    Every reply is read as its route's typed message, at most 16 MiB; anything else is a
+    LoRASyncError `bad_reply` naming the server (`e.server`)."""
 
     def __init__(self, servers, engine: str = "vllm", api_key: str | None = None,
                  timeout: float = 300.0, remember: bool = True):
@@ -41,13 +53,14 @@ class LoRASyncClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         # Listings before a push (numbering, resync): small JSON, so a hung server is given
-        # up on sooner than a push.
-        self.probe_timeout = min(timeout, 10.0)
+        # up on sooner, and leaves most of the call's time to the push itself.
+        self.probe_timeout = min(timeout / 4, 10.0)
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.servers)))
         self._group = None  # set by init_group (broadcast transport)
         self._same_host: dict[str, bool] = {}  # server url -> its shm leases reach us
         self.memory = FleetMemory(remember)
         self._name_locks: dict[str, threading.Lock] = {}
+        self.client_id = uuid.uuid4().hex  # servers bound shm leases per client by it
 
     # -- pushes -------------------------------------------------------------------------
     def push(self, adapter, name: str, version: int | None = None, transport: str = "auto",
@@ -58,11 +71,13 @@ class LoRASyncClient:
         `transport`: 'auto' (shared memory where the server is on this host, else tensors
         over HTTP), 'shm', 'tensors' or 'broadcast' (after init_group; all or nothing).
         `version`: by default the next after the newest this client pushed, or for a fresh
-        client the newest any server holds. `on_error`: 'raise' raises PushFailed naming
-        every server that failed (the others keep the version; with a single server, that
-        server's own error); 'skip' returns the results with `.error` set on the failed
-        ones. Servers that restarted since they last answered first get each name's newest
-        version back (see `resync`).
+        client the newest any server holds; if a server already holds a newer one (another
+        client pushed), the push is made once more, above the servers' newest. `on_error`:
+        'raise' raises PushFailed naming every server that failed (the others keep the
+        version; with a single server, that server's own error); 'skip' returns the results
+        with `.error` set on the failed ones. Servers that restarted since they last
+        answered first get each name's newest version back (see `resync`). The client's
+        `timeout` bounds the whole call (the broadcast itself: the group's timeout).
 
         `dtype` (e.g. torch.bfloat16) casts before sending: fp32 master weights as bf16
         halve the bytes. Sharded trainers (FSDP2, torch.distributed initialised with more
@@ -91,36 +106,61 @@ class LoRASyncClient:
 
     def _push(self, adapter: LoRAAdapter, name, version, transport, checksum):
         # Pushes of one name from this client go one after another: each takes the next
-        # number, and they reach the servers in that order.
-        with self._name_locks.setdefault(name, threading.Lock()):
-            return self._push_in_order(adapter, name, version, transport, checksum)
+        # number, and they reach the servers in that order. The timeout counts from the call.
+        deadline = time.monotonic() + self.timeout
+        lock = self._name_locks.setdefault(name, threading.Lock())
+        if not lock.acquire(timeout=self.timeout):
+            raise TooBusy(f"an earlier push of {name!r} from this client still ran after "
+                          f"{self.timeout:g} s (the client's timeout)")
+        try:
+            return self._push_in_order(adapter, name, version, transport, checksum, deadline)
+        finally:
+            lock.release()
 
-    def _push_in_order(self, adapter: LoRAAdapter, name, version, transport, checksum):
-        if version is None:
-            version = self.memory.next_version(name, self.newest_versions)
-        if transport == "broadcast":
-            if self._group is None:
-                raise RuntimeError("call init_group() before pushing with transport='broadcast'")
-            results = broadcast.broadcast(self, self._group, adapter, name, version, checksum)
-        else:
-            def push_one(server: Server) -> PushResult:
-                if server.url in self.memory.stale:  # first what it lost (restart, failure)
-                    self._resync_one(server)
-                return self._push_one(server, adapter, name, version, transport, checksum)
-            results = self._each_server(push_one, version)
+    def _push_in_order(self, adapter: LoRAAdapter, name, version, transport, checksum,
+                       deadline: float):
+        chosen = version is None
+        if chosen:
+            version = self.memory.next_version(
+                name, lambda n: self.newest_versions(n, deadline=deadline))
+        results = self._send(adapter, name, version, transport, checksum, deadline)
+        if chosen and transport != "broadcast" \
+                and any(r.error.code == "version_conflict" for r in results if not r.ok):
+            # A server holds a newer version (another client or the CLI pushed): number
+            # above the servers' newest and push once more, to every server alike.
+            if any(r.ok for r in results):
+                self.memory.pushed(name, version, adapter)
+            held = [v for v in self.newest_versions(name, deadline=deadline) if v]
+            version = max(held + [version]) + 1
+            results = self._send(adapter, name, version, transport, checksum, deadline)
         if any(r.ok for r in results):
             self.memory.pushed(name, version, adapter)
         restarted = {r.server for r in results if r.ok and self.memory.saw(r.server,
                                                                            r.instance_id)}
         self.memory.stale.update(r.server for r in results if not r.ok)
-        self.resync(restarted)  # they lost every other name's newest version
+        self._resync(restarted, deadline)  # they lost every other name's newest version
         return results
+
+    def _send(self, adapter: LoRAAdapter, name, version, transport, checksum, deadline):
+        if transport == "broadcast":
+            if self._group is None:
+                raise RuntimeError("call init_group() before pushing with transport='broadcast'")
+            return broadcast.broadcast(self, self._group, adapter, name, version, checksum)
+
+        def push_one(server: Server) -> PushResult:
+            if server.url in self.memory.stale:  # first what it lost (restart, failure)
+                self._resync_one(server)
+            return self._push_one(server, adapter, name, version, transport, checksum)
+        return self._each_server(push_one, version, deadline)
 
     def _push_one(self, server: Server, adapter, name, version, transport, checksum):
         if transport == "auto":  # shm until a lease is out of reach, then HTTP for good
             if self._same_host.get(server.url, True):
-                result = PER_SERVER["shm"](self, server, adapter, name, version, checksum)
-                self._same_host[server.url] = result is not None
+                try:
+                    result = PER_SERVER["shm"](self, server, adapter, name, version, checksum)
+                    self._same_host[server.url] = result is not None
+                except LeaseRefused:  # no room for a lease now: this push goes over HTTP
+                    result = None
                 if result is not None:
                     return result
             transport = "tensors"
@@ -136,36 +176,50 @@ class LoRASyncClient:
         """Sends the adapter as one safetensors body to every server (concurrently)."""
         return self.push(adapter, name, version, "tensors", checksum)
 
-    def _each_server(self, push_one, version: int) -> list[PushResult]:
+    def _each_server(self, push_one, version: int, deadline: float) -> list[PushResult]:
         """Runs `push_one(server)` on every server at once; a failure becomes that server's
-        result instead of stopping the others. Each call is bounded by `timeout`."""
+        result instead of stopping the others. All of it ends by `deadline`."""
+        t0 = time.perf_counter()
+
         def guarded(server: Server) -> PushResult:
-            t0 = time.perf_counter()
             try:
                 return push_one(server)
             except LoRASyncError as e:
                 return PushResult.failed(server.url, version, e, time.perf_counter() - t0)
-        return self._each(guarded)
+        return self._each(guarded, deadline, late=lambda server, e: PushResult.failed(
+            server.url, version, e, time.perf_counter() - t0))
 
     # -- restarts -------------------------------------------------------------------------
     def resync(self, urls=None) -> list[dict]:
         """Gives every server (or those in `urls`) each remembered name's newest version
         back, under its version number, where the server lacks it (a restart, a push it
         missed). Per server: {'server', 'pushed': [served names], 'error'}."""
+        return self._resync(urls, time.monotonic() + self.timeout)
+
+    def _resync(self, urls, deadline: float) -> list[dict]:
         def one(server: Server) -> dict:
             try:
                 pushed = self._resync_one(server)
                 return {"server": server.url, "pushed": pushed, "error": None}
             except LoRASyncError as e:
-                return {"server": server.url, "pushed": [], "error": f"{e.code}: {e.message}"}
+                return failed(server, e)
+
+        def failed(server: Server, e: LoRASyncError) -> dict:
+            self.memory.stale.add(server.url)  # the next push tries again
+            return {"server": server.url, "pushed": [], "error": f"{e.code}: {e.message}"}
         urls = {s.url for s in self.servers} if urls is None else set(urls)
-        return list(self._pool.map(one, [s for s in self.servers if s.url in urls]))
+        return self._each(one, deadline, late=failed,
+                          servers=[s for s in self.servers if s.url in urls])
+
+    def _listing(self, server: Server, timeout: float) -> replies.Listing:
+        body, _ = http.call("GET", server.route("lora_adapters"), headers=self.headers,
+                            timeout=timeout)
+        return replies.Listing.from_json(server.url, body)
 
     def _resync_one(self, server: Server) -> list[str]:
-        listing, _ = http.call("GET", server.route("lora_adapters"), headers=self.headers,
-                               timeout=self.probe_timeout)
-        self.memory.saw(server.url, listing.get("instance_id"))
-        held, pushed = _versions_by_name(listing), []
+        listing = self._listing(server, self.probe_timeout)
+        self.memory.saw(server.url, listing.instance_id)
+        held, pushed = listing.versions_by_name(), []
         for name, newest in list(self.memory.newest.items()):
             have = held.get(name, set())
             if newest.adapter is None or newest.version in have \
@@ -176,34 +230,40 @@ class LoRASyncClient:
         self.memory.stale.discard(server.url)
         return pushed
 
-    def newest_versions(self, name: str) -> list[int | None]:
+    def newest_versions(self, name: str, deadline: float | None = None) -> list[int | None]:
         """Per server, the newest version of `name` it holds (None: none, or unreachable)."""
         def newest(server: Server):
             try:
-                listing, _ = http.call("GET", server.route("lora_adapters"),
-                                       headers=self.headers, timeout=self.probe_timeout)
+                listing = self._listing(server, self.probe_timeout)
             except LoRASyncError:
                 return None  # the push will report this server
-            return max(_versions_by_name(listing).get(name, ()), default=None)
-        return self._each(newest)
+            return max(listing.versions_by_name().get(name, ()), default=None)
+        soon = time.monotonic() + self.probe_timeout
+        return self._each(newest, soon if deadline is None else min(deadline, soon),
+                          late=lambda server, e: None)
 
     def health(self, timeout: float = 5.0) -> list[dict]:
-        """Per server: {'server', 'ok', 'instance_id', 'restarted', 'ms', 'error'}; never
-        waits longer than `timeout` on any one."""
+        """Per server: {'server', 'ok', 'instance_id', 'restarted', 'ms', 'error'}; returns
+        within `timeout` (or the client's, if shorter), whatever the servers do."""
+        timeout = min(timeout, self.timeout)
+        t0 = time.perf_counter()
+
         def one(server: Server) -> dict:
-            t0 = time.perf_counter()
             try:
                 info, _ = http.call("GET", server.route("lora_sync_info"), headers=self.headers,
-                                    timeout=min(timeout, self.timeout))
-                restarted = self.memory.saw(server.url, info.get("instance_id"))
-                return {"server": server.url, "ok": True, "instance_id": info.get("instance_id"),
+                                    timeout=timeout)
+                instance = replies.instance_of(info, server=server.url, what="lora_sync_info")
+                restarted = self.memory.saw(server.url, instance)
+                return {"server": server.url, "ok": True, "instance_id": instance or None,
                         "restarted": restarted, "ms": (time.perf_counter() - t0) * 1e3,
                         "error": None}
             except LoRASyncError as e:
-                return {"server": server.url, "ok": False, "instance_id": None,
-                        "restarted": False, "ms": (time.perf_counter() - t0) * 1e3,
-                        "error": f"{e.code}: {e.message}"}
-        return self._each(one)
+                return failed(server, e)
+
+        def failed(server: Server, e: LoRASyncError) -> dict:
+            return {"server": server.url, "ok": False, "instance_id": None, "restarted": False,
+                    "ms": (time.perf_counter() - t0) * 1e3, "error": f"{e.code}: {e.message}"}
+        return self._each(one, time.monotonic() + timeout, late=failed)
 
     # -- collective broadcast -----------------------------------------------------------
     def init_group(self, master_address: str = "127.0.0.1", master_port: int | None = None,
@@ -239,15 +299,20 @@ class LoRASyncClient:
         def one(s: Server):
             t0 = time.perf_counter()
             http.call("POST", f"{s.url.rstrip('/')}{NATIVE_ROUTES[s.engine][action]}",
-                      timeout=self.timeout, json_body=body, headers=self.headers)
+                      timeout=self.timeout, json_body=body, headers=self.headers,
+                      json_reply=False)  # vLLM answers in text
             return time.perf_counter() - t0
-        return self._each(one)
+        return self._each(one, self._deadline())
 
     # -- introspection and generation --------------------------------------------------
     def info(self) -> list[dict]:
         """Per server: worker count, max LoRA rank, target modules, retention window."""
-        return self._each(lambda s: http.call("GET", s.route("lora_sync_info"),
-                                              headers=self.headers, timeout=self.timeout)[0])
+        return [i.raw for i in self._each(self._info, self._deadline())]
+
+    def _info(self, server: Server) -> replies.Info:
+        body, _ = http.call("GET", server.route("lora_sync_info"), headers=self.headers,
+                            timeout=self.timeout)
+        return replies.Info.from_json(server.url, body)
 
     def retire(self, name: str) -> list[dict]:
         """Takes every version of `name` out of service on every server (running requests
@@ -255,11 +320,13 @@ class LoRASyncClient:
         self.memory.newest.pop(name, None)  # its numbering may start again at 1
         return self._each(lambda s: http.call("POST", s.route("retire_lora_adapter"),
                                               json_body={"lora_name": name},
-                                              headers=self.headers, timeout=self.timeout)[0])
+                                              headers=self.headers, timeout=self.timeout)[0],
+                          self._deadline())
 
     def adapters(self) -> list[dict]:
-        return self._each(lambda s: http.call("GET", s.route("lora_adapters"),
-                                              headers=self.headers, timeout=self.timeout)[0])
+        """Per server, its `lora_adapters` listing (docs/protocol.md)."""
+        return [listing.raw for listing in self._each(
+            lambda s: self._listing(s, self.timeout), self._deadline())]
 
     def completions(self, server: int = 0, **request) -> dict:
         """An OpenAI /v1/completions call; the reply gains 'served_version': the adapter
@@ -268,8 +335,7 @@ class LoRASyncClient:
         s = self.servers[server]
         body, headers = http.call("POST", f"{s.url.rstrip('/')}/v1/completions",
                                   timeout=self.timeout, headers=self.headers, json_body=request)
-        version = {k.lower(): v for k, v in headers.items()}.get("x-lora-version")
-        body["served_version"] = int(version) if version else None
+        body["served_version"] = replies.served_version(s.url, headers)
         return body
 
     def complete(self, prompt: str, model: str, max_tokens: int = 16, server: int = 0,
@@ -277,11 +343,37 @@ class LoRASyncClient:
         """A greedy completion: {'text', 'model', 'version', 'raw'}."""
         body = self.completions(server, model=model, prompt=prompt, max_tokens=max_tokens,
                                 temperature=0.0, **params)
-        return {"text": body["choices"][0]["text"], "model": body.get("model"),
-                "version": body["served_version"], "raw": body}
+        return {"text": replies.completion_text(self.servers[server].url, body),
+                "model": body.get("model"), "version": body["served_version"], "raw": body}
 
-    def _each(self, fn):
-        return list(self._pool.map(fn, self.servers))
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
+    def _each(self, fn, deadline: float | None = None, late=None, servers=None) -> list:
+        """`fn(server)` for every server at once, in order. With a `deadline`, every HTTP
+        call inside ends by it, and a server whose `fn` has not returned shortly after is
+        `late(server, error)` (or that error is raised)."""
+        servers = self.servers if servers is None else servers
+
+        def scoped(server: Server):
+            with http.within(deadline):
+                return fn(server)
+        futures = [self._pool.submit(scoped, s) for s in servers]
+        if deadline is None:
+            return [f.result() for f in futures]
+        wait(futures, timeout=max(0.0, deadline - time.monotonic()) + LATE_GRACE_S)
+        out = []
+        for server, f in zip(servers, futures):
+            if f.done():
+                out.append(f.result())
+                continue
+            err = LoRASyncError(f"{server.url} did not answer within the client's timeout",
+                                code="unreachable", status=504)
+            err.server = server.url
+            if late is None:
+                raise err
+            out.append(late(server, err))
+        return out
 
     def close(self):
         if self._group is not None:
@@ -294,8 +386,3 @@ class LoRASyncClient:
     def __exit__(self, *exc):
         self.close()
 
-
-def _versions_by_name(listing: dict) -> dict[str, set[int]]:
-    """Servable versions per name in a `lora_adapters` reply."""
-    return {entry["name"]: {v["version"] for v in entry.get("versions", [])}
-            for entry in listing.get("adapters", [])}

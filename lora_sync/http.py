@@ -1,24 +1,192 @@
 """Minimal HTTP calls on the standard library: the trainer side needs no web framework, and a
-push streams tensor memory straight into the socket."""
+push streams tensor memory straight into the socket.
+
+This is the one place the client reads server replies, and it bounds them by construction:
+  * time: `timeout` is a deadline for the whole call (connect, send, status line, headers,
+    body), not per socket operation; a watchdog shuts the socket at the deadline, so a
+    server that trickles its reply a byte at a time is cut off. `within(deadline)` puts an
+    earlier deadline on every call a thread makes inside it (a push and its resync share one);
+  * memory: a reply longer than `max_reply_bytes` is refused (from Content-Length before
+    reading, else as soon as it passes the limit); header lines are capped by http.client;
+  * meaning: every failure is a LoRASyncError naming the server: `unreachable` (no
+    connection, or no complete reply by the deadline) or `bad_reply` (not HTTP, truncated,
+    too long, or from `call`: a success that is not a JSON object). Never a raw exception."""
 from __future__ import annotations
 
+import contextvars
+import heapq
 import http.client
+import itertools
 import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 from .errors import LoRASyncError, error_from_json
 
+MAX_REPLY_BYTES = 16 << 20  # JSON replies are small; a generation reply well below this
+_READ_CHUNK = 1 << 16
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "lora_sync_http_deadline", default=None)
+
+
+@contextmanager
+def within(deadline: float | None):
+    """Every request this thread makes inside ends by `deadline` (time.monotonic()), or
+    earlier by its own `timeout`; nested scopes keep the earliest deadline."""
+    if deadline is None:
+        yield
+        return
+    outer = _deadline.get()
+    token = _deadline.set(deadline if outer is None else min(outer, deadline))
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def origin(url: str) -> str:
+    """The server a URL names (scheme://host:port), as errors name it."""
+    try:
+        u = urlsplit(url)
+        return f"{u.scheme}://{u.netloc}" if u.netloc else str(url)[:200]
+    except (ValueError, TypeError):
+        return str(url)[:200]
+
+
+def check_url(url) -> str:
+    """`url` if it is an http(s) URL with a host (and a valid port, if any); else ValueError."""
+    try:
+        u = urlsplit(url) if isinstance(url, str) else None
+        ok = u is not None and u.scheme in ("http", "https") and bool(u.hostname) \
+            and (u.port is None or 0 < u.port < 65536) and url.isprintable() \
+            and " " not in url
+    except ValueError:  # a port that is not a number
+        ok = False
+    if not ok:
+        raise ValueError(f"{str(url)[:200]!r} is not a server URL like http://HOST:PORT")
+    return url
+
 
 def _connection(url: str, timeout: float):
+    try:
+        check_url(url)
+    except ValueError as e:
+        raise LoRASyncError(str(e), code="bad_request", status=400) from None
     u = urlsplit(url)
     cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    return cls(u.hostname, u.port, timeout=timeout), u.path or "/"
+    target = u.path or "/"
+    if u.query:
+        target += f"?{u.query}"
+    return cls(u.hostname, u.port, timeout=timeout), target
 
 
-def request(method: str, url: str, *, chunks=None, json_body=None, headers=None,
-            timeout: float = 120.0) -> tuple[int, dict, dict]:
+class _Watchdog:
+    """One thread for every call: at a call's deadline it shuts the call's socket, which ends
+    whatever blocking read or write the call is in. Armed and disarmed under one lock, so it
+    never touches a socket after its call disarmed it (the descriptor may be reused)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._disarmed = 0  # disarmed entries still in the heap
+
+    def arm(self, deadline: float, sock) -> list:
+        entry = [deadline, next(self._seq), sock, False]  # [.., .., socket|None, fired]
+        with self._cv:
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                 name="lora-sync-http-deadlines")
+                self._thread.start()
+            self._cv.notify()
+        return entry
+
+    def disarm(self, entry: list) -> bool:
+        """Returns True when the deadline had already fired."""
+        with self._cv:
+            if entry[2] is not None:
+                entry[2] = None
+                self._disarmed += 1
+                if self._disarmed > 64 and 2 * self._disarmed > len(self._heap):
+                    self._heap = [e for e in self._heap if e[2] is not None]  # bounded
+                    heapq.heapify(self._heap)
+                    self._disarmed = 0
+            return entry[3]
+
+    def _run(self):
+        with self._cv:
+            while True:
+                while self._heap and self._heap[0][2] is None:
+                    heapq.heappop(self._heap)
+                    self._disarmed = max(0, self._disarmed - 1)
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                entry = heapq.heappop(self._heap)
+                entry[3] = True
+                try:
+                    entry[2].shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                entry[2] = None  # popped: never counted as disarmed
+
+
+_watchdog = _Watchdog()
+
+
+class _Expired(Exception):
+    pass
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _Expired
+    return left
+
+
+def _read_body(resp, max_bytes: int, deadline: float, where: str) -> bytes:
+    declared = resp.length  # None: chunked or until close
+    if declared is not None and declared > max_bytes:
+        raise LoRASyncError(f"{where}: the reply announces {declared} bytes, above the "
+                            f"client's limit of {max_bytes}", code="bad_reply", status=502)
+    parts, got = [], 0
+    while True:
+        _remaining(deadline)
+        chunk = resp.read(min(_READ_CHUNK, max_bytes + 1 - got))
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+        if got > max_bytes:
+            raise LoRASyncError(f"{where}: the reply is longer than the client's limit of "
+                                f"{max_bytes} bytes", code="bad_reply", status=502)
+    if declared is not None and got < declared:
+        raise LoRASyncError(f"{where}: the reply ended after {got} of the {declared} bytes "
+                            "it announced", code="bad_reply", status=502)
+    return b"".join(parts)
+
+
+def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None,
+             timeout: float = 120.0, max_reply_bytes: int = MAX_REPLY_BYTES
+             ) -> tuple[int, bytes, dict]:
     """Sends a request; the body is either `json_body` or an iterable of byte chunks.
-    Returns (status, reply JSON, reply headers)."""
+    Returns (status, reply bytes, reply headers), all of it within `timeout` seconds (and
+    the deadline of an enclosing `within`)."""
+    deadline = time.monotonic() + timeout
+    scoped = _deadline.get()
+    if scoped is not None:
+        deadline = min(deadline, scoped)
+    where = f"{method} {url}"
     headers = dict(headers or {})
     if json_body is not None:
         chunks = [json.dumps(json_body).encode()]
@@ -26,29 +194,79 @@ def request(method: str, url: str, *, chunks=None, json_body=None, headers=None,
     chunks = list(chunks or [])
     headers["Content-Length"] = str(sum(len(c) for c in chunks))
     conn, path = _connection(url, timeout)
+    guard = None
     try:
-        conn.putrequest(method, path)
-        for k, v in headers.items():
-            conn.putheader(k, v)
-        conn.endheaders()
-        for c in chunks:
-            conn.send(c)
-        resp = conn.getresponse()
-        raw = resp.read()
         try:
-            body = json.loads(raw) if raw else {}
-        except json.JSONDecodeError:
-            body = {"error": {"message": raw.decode(errors="replace")[:2000]}}
-        return resp.status, body, dict(resp.getheaders())
-    except (ConnectionError, OSError) as e:
-        raise LoRASyncError(f"{method} {url} failed: {e}", code="unreachable", status=503) from e
+            conn.timeout = _remaining(deadline)
+            conn.connect()
+            guard = _watchdog.arm(deadline, conn.sock)
+            conn.putrequest(method, path)
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            for c in chunks:
+                conn.sock.settimeout(_remaining(deadline))
+                conn.send(c)
+            conn.sock.settimeout(_remaining(deadline))
+            resp = conn.getresponse()
+            raw = _read_body(resp, max_reply_bytes, deadline, where)
+            return resp.status, raw, dict(resp.getheaders())
+        finally:
+            fired = guard is not None and _watchdog.disarm(guard)
+    except LoRASyncError as e:
+        e.server = origin(url)
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure gets a code and the server's name
+        if fired or isinstance(e, (_Expired, TimeoutError)) or time.monotonic() >= deadline:
+            err = LoRASyncError(f"{where}: no complete reply within {timeout:.3g} s "
+                                "(the client's timeout for the whole call)",
+                                code="unreachable", status=504)
+        elif isinstance(e, OSError):
+            err = LoRASyncError(f"{where} failed: {e}", code="unreachable", status=503)
+        else:  # http.client.HTTPException (bad status line, header too long, ...), ...
+            err = LoRASyncError(f"{where}: not a valid HTTP reply ({type(e).__name__}: "
+                                f"{str(e)[:300]})", code="bad_reply", status=502)
+        err.server = origin(url)
+        raise err from e
     finally:
         conn.close()
 
 
-def call(method: str, url: str, **kw) -> tuple[dict, dict]:
-    """Like `request`, but raises the server's LoRASyncError on a non-2xx reply."""
-    status, body, headers = request(method, url, **kw)
+def _decode(raw: bytes):
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, absurdly deep
+        return None
+
+
+def request(method: str, url: str, **kw) -> tuple[int, dict, dict]:
+    """Like `exchange`, with the reply as a dict: its JSON object, or for any other body
+    (a stream, a proxy's page) {"error": {"message": the text, cut}}; {} when empty."""
+    status, raw, headers = exchange(method, url, **kw)
+    body = _decode(raw) if raw else {}
+    if not isinstance(body, dict):
+        body = {"error": {"message": raw.decode(errors="replace")[:2000]}}
+    return status, body, headers
+
+
+def call(method: str, url: str, *, json_reply: bool = True, **kw) -> tuple[dict, dict]:
+    """Raises the server's LoRASyncError on a non-2xx reply, `bad_reply` on a success that is
+    not a JSON object; else returns (the object, reply headers). `json_reply=False` (the
+    engines' own routes, which may answer in text): any success body, as `request` gives it."""
+    status, raw, headers = exchange(method, url, **kw)
+    body = _decode(raw) if raw else None
     if status >= 300:
-        raise error_from_json(status, body if isinstance(body, dict) else {"error": body})
-    return body, headers
+        err = error_from_json(status, body if body is not None else
+                              {"error": {"message": raw.decode(errors="replace")[:2000]}})
+    elif not json_reply:
+        return body if isinstance(body, dict) else {"text": raw.decode(errors="replace")[:2000]}, \
+            headers
+    elif not isinstance(body, dict):
+        shown = raw[:80].decode(errors="replace")
+        err = LoRASyncError(f"{method} {url}: the reply (status {status}) is not a JSON object: "
+                            f"{shown!r}{'...' if len(raw) > 80 else ''}", code="bad_reply",
+                            status=502)
+    else:
+        return body, headers
+    err.server = origin(url)
+    raise err

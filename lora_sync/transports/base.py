@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..http import check_url
+from ..replies import PushReply
+
 # The only engine difference the client knows: where the routes live.
 ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
 
@@ -12,6 +15,12 @@ ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
 class Server:
     url: str                      # e.g. http://127.0.0.1:8000
     engine: str = "vllm"          # vllm | sglang
+
+    def __post_init__(self):
+        check_url(self.url)  # ValueError: a bad URL is the caller's, not a server's
+        if self.engine not in ROUTE_PREFIX:
+            raise ValueError(f"engine must be one of {tuple(ROUTE_PREFIX)}, "
+                             f"not {self.engine!r}")
 
     def route(self, name: str) -> str:
         return f"{self.url.rstrip('/')}{ROUTE_PREFIX[self.engine]}/{name}"
@@ -34,9 +43,13 @@ class PushResult:
         return self.error is None
 
     @classmethod
-    def from_reply(cls, server_url: str, reply: dict, seconds: float) -> "PushResult":
-        return cls(server_url, reply["name"], reply["version"], reply["bytes"], seconds,
-                   reply.get("transport", ""), reply, reply.get("instance_id", ""))
+    def from_reply(cls, server_url: str, reply: dict, seconds: float, name: str | None = None,
+                   version: int | None = None) -> "PushResult":
+        """A server's push reply, checked field by field (and, given `name` and `version`,
+        against what was pushed); anything else raises LoRASyncError `bad_reply`."""
+        r = PushReply.from_json(server_url, reply, name, version)
+        return cls(server_url, r.name, r.version, r.bytes, seconds, r.transport, reply,
+                   r.instance_id)
 
     def to_json(self) -> dict:
         """For handing the result to the other ranks of a sharded trainer (no pickle)."""

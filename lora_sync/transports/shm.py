@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +27,7 @@ from functools import partial
 
 import torch
 
-from .. import http, wire
+from .. import http, replies, wire
 from ..errors import BadAdapter, Conflict, Forbidden, NotFound, TooBusy
 from ..fields import field
 from ..staging import StagedBody, read_header, read_sealed
@@ -37,6 +38,12 @@ CANCEL_ROUTE = "lora_sync_lease_cancel"
 COMMIT_ROUTE = "load_lora_adapter_from_lease"
 PROBE_BYTES = 16
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
+# What the trainer accepts in a grant: it opens `path` read-write, so only a descriptor of a
+# process (never a file system path), and only a memfd of the server's lease table.
+_TOKEN = re.compile(r"[0-9a-f]{16,128}")
+_PROBE = re.compile(r"[0-9a-f]{%d}" % (2 * PROBE_BYTES))
+_LEASE_PATH = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,10}")
+MEMFD_NAME = "lora-sync-lease"
 # After these, nobody can write, resize, map writable or unseal the memfd.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -45,10 +52,12 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_
 @dataclass(frozen=True)
 class LeaseRequest:
     nbytes: int
+    client: str  # who asks (the client's id): leases are bounded per client too
 
     @classmethod
     def from_json(cls, body: dict, max_bytes: int) -> "LeaseRequest":
-        return cls(field(body, "nbytes", int, lo=PROBE_BYTES, hi=max_bytes, where="lease"))
+        return cls(field(body, "nbytes", int, lo=PROBE_BYTES, hi=max_bytes, where="lease"),
+                   field(body, "client", str, "anonymous", max_len=64, where="lease"))
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,22 @@ class Lease:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "Lease":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+    def from_json(cls, d: dict, server: str = "the server",
+                  nbytes: int | None = None) -> "Lease":
+        """The grant as the trainer reads it: every field checked (`nbytes`, when given, must
+        be the size asked for), and `path` a /proc/<pid>/fd/<n> name; else `bad_reply`."""
+        def text(key: str, pattern: re.Pattern) -> str:
+            value = replies.field(d, key, str, server=server, what="lease", max_len=128)
+            if not pattern.fullmatch(value):
+                raise replies.bad_reply(server, f"lease reply field {key!r} is malformed")
+            return value
+        size = replies.field(d, "nbytes", int, server=server, what="lease", lo=PROBE_BYTES)
+        if nbytes is not None and size != nbytes:
+            raise replies.bad_reply(server, f"the lease holds {size} bytes, not the {nbytes} "
+                                    "asked for")
+        return cls(text("lease_id", _LEASE_ID), text("token", _TOKEN), text("path", _LEASE_PATH),
+                   text("probe", _PROBE), size,
+                   replies.field(d, "expires_s", float, server=server, what="lease", lo=0))
 
 
 @dataclass(frozen=True)
@@ -90,6 +113,7 @@ class _Pending:
     fd: int
     nbytes: int
     token_digest: bytes
+    client: str = "anonymous"
     timer: asyncio.TimerHandle | None = None
 
 
@@ -122,10 +146,18 @@ class LeaseTable:
     def info(self) -> dict:
         return {"open_leases": len(self.pending)}
 
-    def grant(self, nbytes: int, budget: int) -> Lease:
+    @property
+    def max_per_client(self) -> int:
+        """One client may hold half the leases: it cannot take them all from the others."""
+        return max(1, self.max_pending // 2)
+
+    def grant(self, nbytes: int, budget: int, client: str = "anonymous") -> Lease:
         if len(self.pending) >= self.max_pending:
             raise TooBusy(f"{self.max_pending} leases are already open; commit or cancel "
                           "one first", code="too_many_leases")
+        if sum(p.client == client for p in self.pending.values()) >= self.max_per_client:
+            raise TooBusy(f"client {client[:64]!r} already holds {self.max_per_client} open "
+                          "leases; commit or cancel one first", code="too_many_leases")
         if self.held_bytes + nbytes > budget:
             raise TooBusy(f"open leases hold {self.held_bytes} bytes; {nbytes} more would "
                           f"pass LORA_SYNC_MAX_STAGING_MB ({budget} bytes)", code="staging_full")
@@ -133,7 +165,7 @@ class LeaseTable:
         probe = secrets.token_bytes(PROBE_BYTES)
         os.pwrite(fd, probe, 0)
         lease_id, token = secrets.token_hex(16), secrets.token_hex(32)
-        held = self.pending[lease_id] = _Pending(fd, nbytes, _digest(token))
+        held = self.pending[lease_id] = _Pending(fd, nbytes, _digest(token), client)
         held.timer = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, lease_id)
         return Lease(lease_id, token, f"/proc/{os.getpid()}/fd/{fd}", probe.hex(), nbytes,
                      self.ttl_s)
@@ -207,7 +239,7 @@ class LeaseTable:
 
 
 def _new_memfd(nbytes: int) -> int:
-    fd = os.memfd_create("lora-sync-lease", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)
     return fd
 
@@ -222,13 +254,15 @@ def write_lease(lease: Lease, chunks: list) -> bool:
     Returns False when the lease is not reachable from here (another host or PID
     namespace): the caller then falls back to HTTP. Tensors on a GPU are copied device to
     host straight into the mapping."""
+    if not _LEASE_PATH.fullmatch(lease.path):
+        return False
     try:
-        fd = os.open(lease.path, os.O_RDWR)
+        fd = os.open(lease.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError:
         return False
     try:
-        if os.pread(fd, PROBE_BYTES, 0) != bytes.fromhex(lease.probe) \
-                or os.fstat(fd).st_size != lease.nbytes:
+        if not _is_lease_memfd(fd) or os.fstat(fd).st_size != lease.nbytes \
+                or os.pread(fd, PROBE_BYTES, 0) != bytes.fromhex(lease.probe):
             return False  # a file of that name, but not our lease
         buf = mmap.mmap(fd, lease.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
@@ -240,6 +274,18 @@ def write_lease(lease: Lease, chunks: list) -> bool:
     finally:
         buf.close()  # unmapped before the commit, or the server cannot seal it
     return True
+
+
+def _is_lease_memfd(fd: int) -> bool:
+    """Only an anonymous memfd of a lease table is ever written: never a file on disk a
+    hostile server named (its probe and size known), nor any other descriptor."""
+    try:
+        st = os.fstat(fd)
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 0 \
+        and target.startswith(f"/memfd:{MEMFD_NAME}")
 
 
 def _copy_into(buf: mmap.mmap, offset: int, chunk) -> int:
@@ -260,6 +306,11 @@ def total_bytes(chunks: list) -> int:
                for c in chunks)
 
 
+class LeaseRefused(TooBusy):
+    """The server granted no lease for want of room (429: too many open leases, staging
+    full): `transport="auto"` sends this push over HTTP instead; the code is the server's."""
+
+
 def push_one(client, server: Server, adapter, name: str, version: int | None,
              checksum: bool) -> PushResult | None:
     """Lease, write, commit. Returns None (after cancelling the lease) when the server's
@@ -267,8 +318,15 @@ def push_one(client, server: Server, adapter, name: str, version: int | None,
     parts = wire.layout(adapter.tensors, adapter.metadata(name, version, checksum))
     t0 = time.perf_counter()
     call = partial(http.call, "POST", headers=client.headers, timeout=client.timeout)
-    lease = Lease.from_json(call(server.route(LEASE_ROUTE),
-                                 json_body={"nbytes": total_bytes(parts)})[0])
+    nbytes = total_bytes(parts)
+    try:
+        granted, _ = call(server.route(LEASE_ROUTE), json_body={"nbytes": nbytes,
+                                                           "client": client.client_id})
+    except TooBusy as e:
+        refused = LeaseRefused(e.message, code=e.code, status=e.status)
+        refused.server = e.server
+        raise refused from e
+    lease = Lease.from_json(granted, server.url, nbytes)
     ticket = {"lease_id": lease.lease_id, "token": lease.token}
     t1 = time.perf_counter()
     if not write_lease(lease, parts):
@@ -276,8 +334,10 @@ def push_one(client, server: Server, adapter, name: str, version: int | None,
         return None
     t2 = time.perf_counter()
     reply, _ = call(server.route(COMMIT_ROUTE), json_body=ticket)
-    reply["timings_ms"].update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
-    return PushResult.from_reply(server.url, reply, time.perf_counter() - t0)
+    result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, name, version)
+    timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
+    timings.update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
+    return result
 
 
 # -- server routes (API process) --------------------------------------------------------
@@ -288,7 +348,7 @@ def server_state(settings) -> LeaseTable:
 async def grant(service, body: dict) -> dict:
     req = LeaseRequest.from_json(body, service.settings.max_body_bytes)
     budget = service.settings.max_staging_bytes - service.staging.inflight
-    return service.transport_state["shm"].grant(req.nbytes, budget).to_json()
+    return service.transport_state["shm"].grant(req.nbytes, budget, req.client).to_json()
 
 
 async def cancel(service, body: dict) -> dict:

@@ -18,7 +18,7 @@ def push_one(client, server: Server, adapter, name: str, version: int | None,
     t0 = time.perf_counter()
     body, _ = http.call("POST", server.route(ROUTE), chunks=chunks, timeout=client.timeout,
                         headers={**client.headers, "Content-Type": "application/octet-stream"})
-    return PushResult.from_reply(server.url, body, time.perf_counter() - t0)
+    return PushResult.from_reply(server.url, body, time.perf_counter() - t0, name, version)
 
 
 # -- server side (API process) ----------------------------------------------------------
