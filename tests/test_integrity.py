@@ -13,7 +13,6 @@ step: the server is alive, every reply is the version it names (or a 404), and n
 ours resolves to another model. LORA_SYNC_FUZZ_STEPS makes it longer (default: CI-sized)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -22,7 +21,6 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from lora_sync import LoRASyncClient, LoRASyncError, collective, http
-from lora_sync.transports import broadcast as broadcast_transport
 
 from .conftest import SERVER_ENV
 from .helpers import AUTH, greedy, versions_of
