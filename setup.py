@@ -17,7 +17,7 @@ setup(
         "test": ["pytest", "pytest-timeout", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
     },
     entry_points={
-        "console_scripts": ["lora-sync = lora_sync.cli:main"],
+        "console_scripts": ["lora-sync = lora_sync.trainer.cli:main"],
         "vllm.endpoint_plugins": ["lora_sync = vllm_ext.plugin:LoRASyncEndpointPlugin"],
         "vllm.general_plugins": ["lora_sync = vllm_ext.plugin:die_with_parent"],
         "sglang.srt.plugins": ["lora_sync = sglang_ext.plugin:load"],

@@ -190,10 +190,10 @@ def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, 
 
 def machine() -> dict:
     import vllm
-    from sglang_ext import TESTED_SGLANG
+    from lora_sync.server.pins import SUPPORTED
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "vllm": vllm.__version__, "sglang": TESTED_SGLANG,
+            "vllm": vllm.__version__, "sglang": " or ".join(SUPPORTED["SGLang"]),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

@@ -2,7 +2,7 @@
 
 Imports no inference engine."""
 from .adapter import LoRAAdapter, ModelSpec, check_adapter
-from .client import LoRASyncClient
+from .trainer.client import LoRASyncClient
 from .transports.base import PushResult, Server
 from .errors import (BadAdapter, LoRASyncError, NotFound, PayloadTooLarge, PushFailed,
                      TransferFailed, Unauthorized, VersionConflict)

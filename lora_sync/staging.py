@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import fcntl
-import json
 import mmap
 import os
 import shutil
@@ -16,7 +14,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import torch
 
 from . import wire
 from .errors import BadAdapter, PayloadTooLarge, TimedOut, TooBusy
@@ -51,9 +48,14 @@ class StagedFile:
     area: "StagingArea"
     path: str
 
-    def close(self, reusable: bool = True) -> None:
-        """`reusable`: no worker maps the file any more, so a later body may overwrite it."""
-        (self.area.recycle if reusable else discard)(self.path)
+    def close(self) -> None:
+        """Call once no worker maps the file any more: a later body may overwrite it."""
+        self.area.recycle(self.path)
+
+
+def staging_dir(root: str = SHM_DIR) -> str:
+    """This API process's own directory for staged bodies and notices."""
+    return os.path.join(root, f"{AREA_PREFIX}{os.getpid()}")
 
 
 def _too_large(n: int, limit: int) -> PayloadTooLarge:
@@ -66,12 +68,12 @@ class StagingArea:
 
     A body's file lives as long as the adapter built from it (the workers map it) and is then
     reused for a later body. Rewriting pages that are already allocated is several times
-    cheaper than filling fresh ones: on this VM, whose freed memory goes back to the host,
-    writing 70 MB into a new file took 180-260 ms and into a reused one about 30 ms."""
+    cheaper than filling fresh ones where freed memory goes back to the host (a VM): see
+    docs/protocol.md, "Why memory is reused"."""
 
     def __init__(self, spare: int = 2, root: str = SHM_DIR):
         _remove_orphans(root)
-        self.dir = os.path.join(root, f"{AREA_PREFIX}{os.getpid()}")
+        self.dir = staging_dir(root)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.spare, self.free = spare, []
         self.inflight = 0  # bytes claimed by bodies being received now
@@ -174,33 +176,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor] | None:
-    """A sealed body (a committed shm lease) is copied, not mapped: a private mapping of it
-    would copy each page the engine writes (it scales lora_B in place) into fresh memory, and
-    fresh pages are the slow part here. One read into `take_buffer(nbytes)`, a reused buffer,
-    costs about as much as a memcpy. Returns None when `path` is not sealed."""
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        if not is_sealed(fd):
-            return None
-        header = read_header(fd, os.fstat(fd).st_size)
-        buf = take_buffer(header.total_bytes - header.data_start)
-        view = memoryview(buf.numpy())
-        done = 0
-        while done < len(view):  # a read may return less than asked
-            n = os.preadv(fd, [view[done:]], header.data_start + done)
-            if n <= 0:
-                raise BadAdapter("the sealed body ended early", code="bad_safetensors")
-            done += n
-    return header, wire.view_tensors(view, header, data_only=True), buf
-
-
 def open_staged(path: str, only_reader: bool = False):
     """Maps a staged body; returns (header, tensors viewing the mapping). The mapping lives
     as long as the tensors do, even after the file is unlinked.
 
     Engines scale lora_B in place when they register an adapter. On a copy-on-write mapping
-    each written page faults and is copied (about 20 ms per 35 MB here), so the file's only
+    each written page faults and is copied (docs/protocol.md), so the file's only
     reader maps it shared and writes into the file itself; several readers (tensor-parallel
     ranks) must each keep a private copy."""
     with open(path, "r+b" if only_reader else "rb") as f:
@@ -211,73 +192,3 @@ def open_staged(path: str, only_reader: bool = False):
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     header = wire.parse_header(memoryview(buf))
     return header, wire.view_tensors(buf, header)
-
-
-def is_sealed(fd: int) -> bool:
-    """Whether a file is a write-sealed memfd (a committed shm lease): nobody may map it
-    shared and writable any more, so its readers map it private."""
-    try:
-        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE)
-    except OSError:  # not a memfd: seals do not apply
-        return False
-
-
-def read_header(fd: int, nbytes: int) -> wire.Header:
-    """Checks the safetensors header of a file of `nbytes` without mapping it."""
-    head = os.pread(fd, 8, 0)
-    return wire.parse_header(os.pread(fd, wire.header_length(head), 0), nbytes)
-
-
-# -- completion notices -------------------------------------------------------------------
-# A worker that receives in the background reports through a small file next to the staged
-# bodies, so the API process can wait without keeping an engine RPC (and the engine loop)
-# busy for the whole transfer.
-# Notices live in this API process's staging directory, so they go with it when the server
-# stops (and with the orphan sweep after a kill -9); a notice written after its waiter gave
-# up is swept once it is NOTICE_MAX_AGE_S old.
-NOTICE_MAX_AGE_S = 600.0
-
-
-def notice_paths(workers: int) -> list[str]:
-    directory = os.path.join(SHM_DIR, f"{AREA_PREFIX}{os.getpid()}", "notices")
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    old = time.time() - NOTICE_MAX_AGE_S
-    for entry in os.scandir(directory):
-        if entry.stat().st_mtime < old:
-            discard(entry.path)
-    base = os.path.join(directory, uuid.uuid4().hex)
-    return [f"{base}-{rank}.json" for rank in range(workers)]
-
-
-def write_notice(path: str, result: dict) -> None:
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, path)  # atomic: readers never see half a notice
-    except FileNotFoundError:
-        pass  # the server stopped (its directory went): nobody waits for this notice
-
-
-async def wait_notices(paths: list[str], timeout_s: float, poll_s: float = 0.002) -> list[dict]:
-    """Waits for every worker's notice; a missing one after `timeout_s` is a failure."""
-    deadline = time.monotonic() + timeout_s
-    results: dict[str, dict] = {}
-    try:
-        while len(results) < len(paths):
-            for p in paths:
-                if p not in results and os.path.exists(p):
-                    with open(p) as f:
-                        results[p] = json.load(f)
-            if len(results) < len(paths):
-                if time.monotonic() > deadline:
-                    missing = len(paths) - len(results)
-                    return [results.get(p, {"ok": False, "status": 502, "code": "transfer_failed",
-                                            "message": f"{missing} worker(s) did not finish "
-                                                       f"receiving within {timeout_s:.0f}s"})
-                            for p in paths]
-                await asyncio.sleep(poll_s)
-        return [results[p] for p in paths]
-    finally:
-        for p in paths:
-            discard(p)

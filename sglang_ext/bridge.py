@@ -1,10 +1,19 @@
-"""The shared service's view of an SGLang server (HTTP process)."""
+"""The shared service's view of an SGLang server (HTTP process).
+
+Two counts of requests on an adapter, on purpose. lora-sync's own (AdapterRecord.inflight)
+counts every request admission let through, from its first byte to the end of its response
+(streaming included), the same on both engines: retire, listings and metrics go by it.
+SGLang's registry counts requests its tokenizer manager resolved to the adapter; it cannot
+replace ours (it starts later, after the body is read and tokenized, and exists on SGLang
+only), so it is read for one question only, the engine-side check before the adapter's
+memory goes (`in_use`), as vLLM's scheduler is on vLLM."""
 from __future__ import annotations
 
 import itertools
 
 from lora_sync.adapter import ModelSpec
-from lora_sync.server.bridge import EngineBridge, check_worker_replies
+from lora_sync.messages import check_replies
+from lora_sync.server.bridge import EngineBridge
 
 from . import engine_api
 
@@ -17,14 +26,14 @@ class SGLangBridge(EngineBridge):
 
     async def call_workers(self, op, **args):
         # Every scheduler runs the op; each data-parallel replica's TP rank 0 replies.
-        return check_worker_replies(await self.channel.call(op, **args))
+        return check_replies(await self.channel.call(op, **args))
 
     async def worker_count(self) -> int:
         return engine_api.dp_size(self.tm) * engine_api.tp_size(self.tm)
 
     async def worker_status(self) -> list[dict]:
         tp = engine_api.tp_size(self.tm)  # each replica's TP rank 0 speaks for its group
-        return [status for status in await self.call_workers("info") for _ in range(tp)]
+        return [r.data for r in await self.call_workers("info") for _ in range(tp)]
 
     async def model_spec(self) -> ModelSpec:
         return ModelSpec.from_hf_config(engine_api.hf_config(self.tm),
@@ -46,14 +55,13 @@ class SGLangBridge(EngineBridge):
         await engine_api.register_name(self.tm, served_name, self.lora_id(adapter_id))
         return adapter_id
 
-    def publish(self, names, handle):
+    def publish(self, served_name, handle):
         pass  # the version is registered by `activate`; the alias lives in admission
 
-    async def unpublish(self, names):
-        for name in names:
-            await engine_api.unregister_name(self.tm, name)
+    async def unpublish(self, served_name):
+        await engine_api.unregister_name(self.tm, served_name)
 
-    async def in_use(self, adapter_id, served_name):
+    async def in_use(self, adapter_id):
         return engine_api.adapter_in_use(self.tm, self.lora_id(adapter_id))
 
     async def free(self, adapter_ids):

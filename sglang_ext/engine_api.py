@@ -11,6 +11,8 @@ from typing import Any, Callable, Dict
 import msgspec
 from sglang.srt.managers.io_struct import BaseReq
 
+from lora_sync.errors import LoRASyncError
+from lora_sync.messages import WorkerReply
 from lora_sync.server.pins import require_supported
 
 LORA_PATH_MARK = "__lora_sync__"  # never a real path: SGLang must not re-load these from disk
@@ -113,8 +115,8 @@ def add_scheduler_handler(scheduler, handle: Callable[[Any, dict], dict]) -> Non
             return LoRASyncOut(result=handle(req.op, req.args))
         except Exception as e:
             logging.getLogger("lora_sync").exception("lora-sync %s failed", req.op)
-            return LoRASyncOut(result={"ok": False, "status": 500, "code": "internal_error",
-                                       "message": f"{req.op} failed in the scheduler: {e!r}"})
+            return LoRASyncOut(result=WorkerReply.failed(LoRASyncError(
+                f"{req.op} failed in the scheduler: {e!r}")).to_json())
     scheduler._request_dispatcher += TypeBasedDispatcher([(LoRASyncReq, on_request)])
 
 

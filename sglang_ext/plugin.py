@@ -5,10 +5,15 @@ message handler to every scheduler and our routes + admission middleware to the 
 """
 from __future__ import annotations
 
+import importlib
 import os
 from functools import partial
 
 from . import engine_api
+
+# The worker side, named as vLLM's --worker-extension-cls is: worker_extensions depends on
+# this package's engine_api, never the other way round.
+SCHEDULER_EXTENSION = "worker_extensions.sglang:install"
 
 
 def load() -> None:
@@ -17,8 +22,8 @@ def load() -> None:
 
 def _on_scheduler(scheduler) -> None:
     engine_api.check_version()  # raising here stops the server: loud, at start-up
-    from worker_extensions.sglang import scheduler_handler
-    engine_api.add_scheduler_handler(scheduler, scheduler_handler(scheduler))
+    module, attr = SCHEDULER_EXTENSION.split(":")
+    getattr(importlib.import_module(module), attr)(scheduler)
 
 
 def _on_tokenizer_manager(tm) -> None:

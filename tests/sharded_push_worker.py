@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from lora_sync import LoRASyncClient
 from lora_sync.errors import LoRASyncError
-from lora_sync.sharded import gather_adapter
+from lora_sync.trainer.sharded import gather_adapter
 from sharded_worker import LR, RANK_R, TARGETS, batches, shard
 from testbed.tiny_model import make_lora
 

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lora_sync import LoRAAdapter
-from lora_sync import sharded
-from lora_sync.sharded import gather_adapter, share_result
+from lora_sync.trainer import sharded
+from lora_sync.trainer.sharded import gather_adapter, share_result
 from testbed.tiny_model import build_tiny_model, make_lora
 
 torch.set_num_threads(1)  # 2 cores, 2 ranks

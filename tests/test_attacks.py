@@ -101,13 +101,13 @@ def test_every_route_that_names_an_adapter_is_admitted(client, server, make_adap
     version, killed EngineCore / the scheduler. Now each is admitted and counted: the
     version waits for it, the request finishes on it, the server lives."""
     name = f"adm-{server.engine}"
-    client.push_tensors(make_adapter(seed=601), name)
+    client.push(make_adapter(seed=601), name, transport="tensors")
     cases = shapes(server.engine, name, server.url)
     running = [(label, Background(method, url, body, headers))
                for label, method, url, body, headers in cases]
     wait_inflight(client, name, len(cases) + (1 if server.engine == "sglang" else 0))
     for i in range(KEEP):  # v1 leaves the window while every request still runs on it
-        client.push_tensors(make_adapter(seed=602 + i), name)
+        client.push(make_adapter(seed=602 + i), name, transport="tensors")
     assert 1 in held_versions(client, name), "v1 was freed under running requests"
     for label, req in running:
         result = req.join()
@@ -167,7 +167,7 @@ def test_native_adapter_routes_never_touch_our_names(client, server, make_adapte
     """Review items 6 and 17: the engines' own load/unload routes removed our versions and
     squatted the next one, without a key."""
     name = f"nat-{server.engine}"
-    client.push_tensors(make_adapter(seed=611), name)
+    client.push(make_adapter(seed=611), name, transport="tensors")
     before = greedy(client, name)
     for method, path, body in _native(server.engine):
         for target in (f"{name}-v1", name, f"{name}-v2", "other-v9"):
@@ -180,7 +180,7 @@ def test_native_adapter_routes_never_touch_our_names(client, server, make_adapte
                 (method, path, target, status, reply)
     assert versions_of(client, name) == [1]
     assert greedy(client, name) == before
-    assert client.push_tensors(make_adapter(seed=612), name)[0].version == 2
+    assert client.push(make_adapter(seed=612), name, transport="tensors")[0].version == 2
     assert server.alive()
 
 
@@ -204,7 +204,7 @@ def test_config_poisoning_is_refused(client, server, make_adapter, case, config)
     turned other adapters' and the base model's output to garbage."""
     name = f"tenant-{server.engine}"
     if not versions_of(client, name):
-        client.push_tensors(make_adapter(seed=621), name)
+        client.push(make_adapter(seed=621), name, transport="tensors")
     before = (greedy(client, name), greedy(client, "base"))
     body = body_of(make_adapter(seed=622), name="poison", config=config)
     status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"), body)
@@ -227,7 +227,7 @@ def test_tensors_must_match_r_and_name_each_module_once(client, server, make_ada
     """Review items 2, 10 and 16: rank-0 tensors with r=8 killed SGLang at the first request;
     a body holding every module twice was accepted with half of it ignored."""
     name = f"shape-{server.engine}"
-    client.push_tensors(make_adapter(seed=631), name)
+    client.push(make_adapter(seed=631), name, transport="tensors")
     before = greedy(client, name)
     adapter = make_adapter(seed=632)
     for case, tensors in _rank_mismatch_bodies(adapter):
@@ -257,7 +257,7 @@ def test_versions_are_ascii_digits_below_2_63(client, make_adapter, version):
     status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
                               wire.encode_bytes(make_adapter(seed=651).tensors, meta))
     assert status == 400 and reply["error"]["code"] == "bad_version", reply
-    assert client.push_tensors(make_adapter(seed=652), name)[0].version >= 1
+    assert client.push(make_adapter(seed=652), name, transport="tensors")[0].version >= 1
 
 
 BAD_GROUP_FIELDS = [
@@ -389,7 +389,7 @@ def test_slow_uploads_are_bounded(client, server, make_adapter):
         assert " 408 " in reply.split("\r\n")[0] and "body_timeout" in reply, reply
     finally:
         first.close()
-    assert client.push_tensors(make_adapter(seed=671), f"slow-{server.engine}")[0].version == 1
+    assert client.push(make_adapter(seed=671), f"slow-{server.engine}", transport="tensors")[0].version == 1
 
 
 def test_header_bomb_is_refused_cheaply(client, server):
@@ -412,7 +412,7 @@ def test_names_are_capped_and_can_be_retired(client, server, make_adapter):
     made, refused = [], None
     for i in range(cap + 1):
         try:
-            client.push_tensors(adapter, f"cap{i}-{server.engine}")
+            client.push(adapter, f"cap{i}-{server.engine}", transport="tensors")
             made.append(f"cap{i}-{server.engine}")
         except Exception as e:  # noqa: BLE001
             refused = e
@@ -427,7 +427,7 @@ def test_names_are_capped_and_can_be_retired(client, server, make_adapter):
             assert client.complete(PROMPT, made[0], 2)["version"] is None
         except NotFound:
             pass
-        client.push_tensors(adapter, f"cap-new-{server.engine}")
+        client.push(adapter, f"cap-new-{server.engine}", transport="tensors")
         made.append(f"cap-new-{server.engine}")
     finally:
         for n in made[1:]:
@@ -448,18 +448,18 @@ def test_key_schemes_on_vllm(model_dir, make_adapter):
         with LoRASyncClient(server.url, api_key=gen) as c:
             assert c.complete(PROMPT, "base", 2)["text"] is not None
             with pytest.raises(Forbidden, match="LORA_SYNC_API_KEY"):
-                c.push_tensors(adapter, "keys")
+                c.push(adapter, "keys", transport="tensors")
             with pytest.raises(Forbidden):
                 c.init_group()
     with vllm_server(model_dir, extra_args=("--api-key", gen), max_loras=1, max_cpu_loras=2,
                      env={"LORA_SYNC_API_KEY": admin}) as server:
         with LoRASyncClient(server.url, api_key=admin) as c:
-            assert c.push_tensors(adapter, "keys")[0].version == 1
+            assert c.push(adapter, "keys", transport="tensors")[0].version == 1
             served = c.complete(PROMPT, "keys", 4)
         with LoRASyncClient(server.url, api_key=gen) as g:
             assert g.complete(PROMPT, "keys", 4)["text"] == served["text"]
             with pytest.raises(Unauthorized):
-                g.push_tensors(adapter, "keys")
+                g.push(adapter, "keys", transport="tensors")
         for key in (None, gen):  # /invocations is outside vLLM's guard: checked by admission
             status, _, _ = http.request(
                 "POST", f"{server.url}/invocations", json_body={"prompt": PROMPT, "max_tokens": 2},
@@ -488,19 +488,19 @@ def test_key_schemes_on_sglang(model_dir, make_adapter):
         with LoRASyncClient(s.url, engine="sglang", api_key=gen) as c:
             assert c.complete(PROMPT, "base", 2)["text"] is not None
             with pytest.raises(Forbidden, match="LORA_SYNC_API_KEY"):
-                c.push_tensors(adapter, "keys")
+                c.push(adapter, "keys", transport="tensors")
             status, _, _ = http.request(  # SGLang's own adapter route: closed too
                 "POST", f"{s.url}/unload_lora_adapter", json_body={"lora_name": "x"},
                 headers={"Authorization": f"Bearer {gen}"})
             assert status == 403
     with server(LORA_SYNC_API_KEY=admin) as s:
         with LoRASyncClient(s.url, engine="sglang", api_key=admin) as c:
-            assert c.push_tensors(adapter, "keys")[0].version == 1
+            assert c.push(adapter, "keys", transport="tensors")[0].version == 1
         with LoRASyncClient(s.url, engine="sglang", api_key=gen) as g:
             served = g.complete(PROMPT, "keys", 4)
             assert served["version"] == 1
             with pytest.raises(Unauthorized):
-                g.push_tensors(adapter, "keys")
+                g.push(adapter, "keys", transport="tensors")
         with LoRASyncClient(s.url, engine="sglang") as anonymous:
             with pytest.raises(Unauthorized):
                 anonymous.complete(PROMPT, "keys", 4)

@@ -62,7 +62,7 @@ def test_bad_metadata_refused_before_any_collective(client, make_adapter, model_
         client.broadcast(too_big, "meta")
     # The server refuses on its own too (no trainer-side check): 4xx, no collective entered.
     body = {"lora_name": "meta", "adapter_config": good.config, "group_name": "default",
-            "group_token": client._group.tokens[0], "transfer_id": 1, "tensors": [{"name": "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
+            "group_token": client._group.tokens[client.servers[0].url], "transfer_id": 1, "tensors": [{"name": "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
                          "dtype": "F32", "shape": [8, 128]}]}
     status, reply, _ = http.request("POST", client.servers[0].route(
         "load_lora_adapter_from_distributed"), json_body=body, headers=AUTH)
@@ -78,6 +78,13 @@ def group_names(client) -> set:
     """Groups the server's workers still hold (waits while a receive RPC runs)."""
     info = http.call("GET", client.servers[0].route("lora_sync_info"), headers=AUTH)[0]
     return set(info["worker_status"][0].get("groups", []))
+
+
+def wait_until_group_dropped(client, group: str = "default", within_s: float = 60) -> None:
+    deadline = time.time() + within_s
+    while group in group_names(client) and time.time() < deadline:
+        time.sleep(0.5)
+    assert group not in group_names(client), f"the workers still hold group {group!r}"
 
 
 DYING_TRAINER = r"""
@@ -106,7 +113,7 @@ c.broadcast(LoRAAdapter.from_dir(adapter_dir), "dying")
 def test_trainer_dies_or_stalls_mid_broadcast(client, server, make_adapter, workdir, fault):
     """'killed': the trainer process dies after the first bucket. 'silent': it stays alive
     but sends nothing more, so the workers' group times out (10 s)."""
-    client.push_tensors(make_adapter(seed=91), "survivor")
+    client.push(make_adapter(seed=91), "survivor", transport="tensors")
     before = greedy(client, "survivor")
     make_adapter(seed=92).save(workdir / "dying")
     trainer = subprocess.Popen([sys.executable, "-c", DYING_TRAINER, server.url, server.engine,
@@ -117,13 +124,12 @@ def test_trainer_dies_or_stalls_mid_broadcast(client, server, make_adapter, work
         # Mid-transfer, the engine keeps generating: the receive runs beside the engine loop.
         assert greedy(client, "survivor") == before
         if fault == "silent":
-            deadline = time.time() + 60  # the group times out after 10 s
-            while "default" in group_names(client) and time.time() < deadline:
-                time.sleep(0.5)
+            wait_until_group_dropped(client)  # the group times out after 10 s
             assert trainer.poll() is None, "the stalled trainer should still be alive"
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
+    wait_until_group_dropped(client)  # 'killed': the receive fails once the peer is gone
     # The worker's receive fails (peer gone or timeout); the server keeps serving.
     assert greedy(client, "survivor") == before
     names = [a["name"] for a in client.adapters()[0]["adapters"]]
@@ -155,7 +161,7 @@ def test_tensor_parallel_2_broadcast_and_tensors_match_disk(vllm_tp2, make_adapt
         assert group.world_size == 3  # trainer + 2 TP workers, each gets full tensors
         c.broadcast(adapter, "bc")
         c.destroy_group()
-        c.push_tensors(adapter, "t")
+        c.push(adapter, "t", transport="tensors")
         [res] = c.push(adapter, "s", transport="shm")  # both TP ranks map the sealed lease
         assert res.transport == "shm"
         disk = greedy(c, "disk")
@@ -168,7 +174,7 @@ def test_one_client_drives_vllm_and_sglang(vllm, sglang, make_adapter):
     adapter = make_adapter(seed=111)
     with LoRASyncClient([Server(vllm.url, "vllm"), Server(sglang.url, "sglang")],
                         api_key=vllm.api_key) as c:
-        pushed = c.push_tensors(adapter, "both")
+        pushed = c.push(adapter, "both", transport="tensors")
         assert [r.name for r in pushed] == ["both-v1", "both-v1"]
         assert set(pushed[0].reply) == set(pushed[1].reply)
         leased = c.push(adapter, "both-shm", transport="shm")  # same replies as HTTP

@@ -13,7 +13,7 @@ from .conftest import API_KEY, REPO
 
 
 def lora_sync(server, *args, key=API_KEY):
-    cmd = [sys.executable, "-m", "lora_sync.cli", "--server", server.url, *args]
+    cmd = [sys.executable, "-m", "lora_sync.trainer.cli", "--server", server.url, *args]
     env = {"LORA_SYNC_API_KEY": key} if key else {}
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=120)
@@ -56,6 +56,6 @@ def test_cli_bad_input_exits_non_zero_with_a_clear_message(server, adapter_dir, 
     assert rc == 1 and "unauthorized" in err
     rc, out, err = lora_sync(server, "resync", adapter_dir, "--name", "cli-never-pushed")
     assert rc == 2 and "use push" in err
-    proc = subprocess.run([sys.executable, "-m", "lora_sync.cli", "push"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "lora_sync.trainer.cli", "push"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "required" in proc.stderr  # argparse usage error

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from lora_sync import LoRAAdapter, cli
+from lora_sync import LoRAAdapter
+from lora_sync.trainer import cli
 
 from .fakes import FakeLoRASync, dead_url
 

@@ -149,13 +149,13 @@ def test_buckets_round_trip_and_respect_size():
 
 
 def test_untested_engine_version_is_refused_unless_overridden(monkeypatch):
-    from lora_sync.server.pins import OVERRIDE_ENV, require_tested
+    from lora_sync.server.pins import OVERRIDE_ENV, require_supported
     monkeypatch.delenv(OVERRIDE_ENV, raising=False)
-    assert require_tested("vLLM", "0.32.0", "0.32.0") == "0.32.0"
-    with pytest.raises(RuntimeError, match="tested with vLLM 0.32.0, found 0.33.0"):
-        require_tested("vLLM", "0.33.0", "0.32.0")
+    assert require_supported("vLLM", "0.32.0+cpu") == "0.32.0+cpu"
+    with pytest.raises(RuntimeError, match="tested with vLLM 0.32.0 or 0.33.0, found 0.31.0"):
+        require_supported("vLLM", "0.31.0")
     monkeypatch.setenv(OVERRIDE_ENV, "1")
-    assert require_tested("vLLM", "0.33.0", "0.32.0") == "0.33.0"
+    assert require_supported("vLLM", "0.31.0") == "0.31.0"
 
 
 def test_vllm_launcher_adds_what_lora_sync_needs(monkeypatch):
@@ -272,18 +272,21 @@ def test_errors_are_rebuilt_by_code_first():
 
 
 def test_a_worker_bug_is_a_500_and_an_engine_refusal_a_400():
-    from worker_extensions.receiver import engine_refusal, reply
+    from lora_sync.messages import WorkerReply
+    from worker_extensions.receiver import engine_refusal
 
     def engine_says_no():
         raise ValueError("target module not supported")
 
     def bug():
         raise KeyError("oops")
-    refused = reply(engine_refusal, engine_says_no)
-    assert (refused["status"], refused["code"]) == (400, "engine_refused")
-    crashed = reply(bug)
-    assert (crashed["status"], crashed["code"]) == (500, "worker_failed")
-    assert "KeyError" in crashed["message"]
+    refused = WorkerReply.from_json(WorkerReply.run(engine_refusal, engine_says_no).to_json())
+    assert (refused.ok, refused.status, refused.code) == (False, 400, "engine_refused")
+    crashed = WorkerReply.from_json(WorkerReply.run(bug).to_json())
+    assert (crashed.status, crashed.code) == (500, "worker_failed")
+    assert "KeyError" in crashed.message
+    done = WorkerReply.from_json(WorkerReply.run(lambda: {"bytes": 3}).to_json())
+    assert done.ok and done.data == {"bytes": 3}
 
 
 def test_shm_spare_lease_follows_the_adapter_size():

@@ -13,13 +13,13 @@ from .helpers import greedy, post_body
 
 
 def test_admin_routes_need_the_api_key(client, make_adapter):
-    client.push_tensors(make_adapter(seed=111), "guarded")
+    client.push(make_adapter(seed=111), "guarded", transport="tensors")
     before = greedy(client, "guarded")
     for key in (None, "wrong-key"):
         with LoRASyncClient(client.servers[0].url, engine=client.servers[0].engine,
                         api_key=key) as intruder:
             with pytest.raises(Unauthorized):
-                intruder.push_tensors(make_adapter(seed=112), "guarded")
+                intruder.push(make_adapter(seed=112), "guarded", transport="tensors")
             with pytest.raises(Unauthorized):
                 intruder.init_group()
     assert greedy(client, "guarded") == before
@@ -29,7 +29,7 @@ def test_admin_routes_need_the_api_key(client, make_adapter):
 
 def test_checksum_is_verified(client, make_adapter):
     adapter = make_adapter(seed=121)
-    assert client.push_tensors(adapter, "sum", checksum=True)[0].version == 1
+    assert client.push(adapter, "sum", checksum=True, transport="tensors")[0].version == 1
     before = greedy(client, "sum")
     other = make_adapter(seed=122)
     meta = other.metadata("sum")
@@ -43,14 +43,14 @@ def test_checksum_is_verified(client, make_adapter):
 def test_concurrent_pushes_of_one_name_are_serialised(client, make_adapter):
     adapters = [make_adapter(seed=130 + i) for i in range(6)]
     with ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(lambda a: client.push_tensors(a, "race")[0], adapters))
+        results = list(pool.map(lambda a: client.push(a, "race", transport="tensors")[0], adapters))
     assert sorted(r.version for r in results) == [1, 2, 3, 4, 5, 6]
     newest = max(results, key=lambda r: r.version)
     assert greedy(client, "race") == greedy(client, newest.name)
 
     def explicit(a):
         try:
-            return client.push_tensors(a, "race", version=10)[0].version
+            return client.push(a, "race", version=10, transport="tensors")[0].version
         except VersionConflict:
             return "conflict"
     with ThreadPoolExecutor(2) as pool:

@@ -1,4 +1,4 @@
-"""lora_sync.sharded under a real FSDP2 trainer: 2 ranks (torchrun, gloo, CPU) train a sharded
+"""lora_sync.trainer.sharded under a real FSDP2 trainer: 2 ranks (torchrun, gloo, CPU) train a sharded
 LoRA, gather it and share a result. The checks against independent references run inside the
 worker (tests/sharded_worker.py); here we check its exit code and what it wrote."""
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_share_result_reaches_every_rank(run):
 def test_without_torch_distributed(run):
     """Outside torchrun: the plain adapter, copied and cast; share_result is a JSON round trip."""
     from lora_sync import LoRAAdapter
-    from lora_sync.sharded import gather_adapter, share_result
+    from lora_sync.trainer.sharded import gather_adapter, share_result
     from testbed.tiny_model import make_lora
     assert not (dist.is_available() and dist.is_initialized())
     model = make_lora(run[2] / "tiny", rank=4, target_modules=["q_proj"])  # built by the worker

@@ -198,11 +198,11 @@ def test_open_leases_and_uploads_share_one_staging_budget(client, make_adapter):
     name = f"budget-{client.servers[0].engine}"
     try:
         with pytest.raises(TooBusy) as refused:
-            client.push_tensors(make_adapter(seed=841), name)
+            client.push(make_adapter(seed=841), name, transport="tensors")
         assert refused.value.code == "staging_full"
     finally:
         for granted in leases:
             http.call("POST", client.servers[0].route(shm.CANCEL_ROUTE), headers=AUTH,
                       json_body={"lease_id": granted.lease_id, "token": granted.token})
     assert open_leases(client) == 0
-    assert client.push_tensors(make_adapter(seed=841), name)[0].version == 1
+    assert client.push(make_adapter(seed=841), name, transport="tensors")[0].version == 1

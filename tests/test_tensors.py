@@ -11,7 +11,7 @@ def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
     adapter = make_adapter(seed=11)
     adapter.save(workdir / "disk-11")
     client.load_from_disk(str(workdir / "disk-11"), "disk-11")
-    [res] = client.push_tensors(adapter, "t11")
+    [res] = client.push(adapter, "t11", transport="tensors")
     assert res.name == "t11-v1" and res.version == 1 and res.bytes == adapter.nbytes
     assert res.reply["load_ms"] > 0
     from_disk = greedy(client, disk_model(client, "disk-11"))
@@ -22,24 +22,24 @@ def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
 
 def test_versions_and_alias(client, make_adapter):
     v1, v2 = make_adapter(seed=21), make_adapter(seed=22)
-    assert client.push_tensors(v1, "ver")[0].name == "ver-v1"
+    assert client.push(v1, "ver", transport="tensors")[0].name == "ver-v1"
     out_v1 = greedy(client, "ver-v1")
     assert greedy(client, "ver") == out_v1
-    assert client.push_tensors(v2, "ver")[0].name == "ver-v2"
+    assert client.push(v2, "ver", transport="tensors")[0].name == "ver-v2"
     out_v2 = greedy(client, "ver-v2")
     assert out_v2 != out_v1
     assert greedy(client, "ver") == out_v2
     assert greedy(client, "ver-v1") == out_v1
     # Explicit versions must go up.
-    assert client.push_tensors(v1, "ver", version=7)[0].name == "ver-v7"
+    assert client.push(v1, "ver", version=7, transport="tensors")[0].name == "ver-v7"
     with pytest.raises(VersionConflict):
-        client.push_tensors(v2, "ver", version=7)
+        client.push(v2, "ver", version=7, transport="tensors")
     assert greedy(client, "ver") == out_v1
 
 
 def test_bad_inputs_are_refused_and_previous_version_keeps_serving(client, make_adapter, server):
     good = make_adapter(seed=31)
-    client.push_tensors(good, "bad")
+    client.push(good, "bad", transport="tensors")
     before = greedy(client, "bad")
     route = client.servers[0].route("load_lora_adapter_from_tensors")
     max_rank = http.call("GET", client.servers[0].route("lora_sync_info"),
@@ -83,10 +83,10 @@ def test_adapter_survives_lru_eviction(vllm, make_adapter):
     """vLLM keeps 4 adapters in its CPU cache: the first one is evicted, then rebuilt from
     memory (it has no path) with identical output."""
     client = LoRASyncClient(vllm.url, api_key=vllm.api_key)
-    client.push_tensors(make_adapter(seed=41), "lru0")
+    client.push(make_adapter(seed=41), "lru0", transport="tensors")
     first = greedy(client, "lru0")
     for i in range(1, 6):
-        client.push_tensors(make_adapter(seed=41 + i), f"lru{i}")
+        client.push(make_adapter(seed=41 + i), f"lru{i}", transport="tensors")
         greedy(client, f"lru{i}")
     info = http.call("GET", client.servers[0].route("lora_sync_info"), headers=AUTH)[0]
     lru0_id = next(v["adapter_id"] for a in client.adapters()[0]["adapters"]

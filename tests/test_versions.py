@@ -30,7 +30,7 @@ def inflight(client, served):
 
 def test_window_retires_old_versions_with_clear_404(client, make_adapter):
     for seed in range(5):
-        client.push_tensors(make_adapter(seed=200 + seed), "win")
+        client.push(make_adapter(seed=200 + seed), "win", transport="tensors")
     assert versions_of(client, "win") == [3, 4, 5]
     reply = client.complete(PROMPT, "win", 4)
     assert reply["version"] == 5 and reply["model"] == "win-v5"
@@ -45,8 +45,8 @@ def test_window_retires_old_versions_with_clear_404(client, make_adapter):
 
 def test_several_names_side_by_side(client, make_adapter):
     for i in range(4):
-        client.push_tensors(make_adapter(seed=300 + i), "left")
-        client.push_tensors(make_adapter(seed=400 + i), "right")
+        client.push(make_adapter(seed=300 + i), "left", transport="tensors")
+        client.push(make_adapter(seed=400 + i), "right", transport="tensors")
     assert versions_of(client, "left") == versions_of(client, "right") == [2, 3, 4]
     assert client.complete(PROMPT, "left", 8)["text"] != client.complete(PROMPT, "right", 8)["text"]
 
@@ -54,7 +54,7 @@ def test_several_names_side_by_side(client, make_adapter):
 def test_retiring_a_busy_version_never_blocks(client, make_adapter, server):
     """A long streaming request runs on v1 while pushes retire v1: the pushes return at
     once, the request completes on v1, and v1 is dropped after it ends."""
-    client.push_tensors(make_adapter(seed=500), "busy")
+    client.push(make_adapter(seed=500), "busy", transport="tensors")
     done = {}
 
     def long_request():
@@ -73,7 +73,7 @@ def test_retiring_a_busy_version_never_blocks(client, make_adapter, server):
     assert inflight(client, "busy-v1") == 1, done
     t0 = time.perf_counter()
     for i in range(KEEP):
-        client.push_tensors(make_adapter(seed=501 + i), "busy")
+        client.push(make_adapter(seed=501 + i), "busy", transport="tensors")
     pushes_s = time.perf_counter() - t0
     [entry] = [a for a in client.adapters()[0]["adapters"] if a["name"] == "busy"]
     v1 = [v for v in entry["versions"] if v["version"] == 1]
@@ -97,7 +97,7 @@ def test_soak_200_versions_while_streaming(server, make_adapter):
     adapters = [make_adapter(seed=600 + i) for i in range(4)]
     pusher = LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key)
     reader = LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key)
-    pusher.push_tensors(adapters[0], "soak")
+    pusher.push(adapters[0], "soak", transport="tensors")
     stop, stats = threading.Event(), {"ok": 0, "retired_404": 0, "bad": []}
 
     def generate():
@@ -123,7 +123,7 @@ def test_soak_200_versions_while_streaming(server, make_adapter):
     rss = {}
     try:
         for v in range(2, 201):
-            pusher.push_tensors(adapters[v % 4], "soak")
+            pusher.push(adapters[v % 4], "soak", transport="tensors")
             if v == 20:
                 rss["window_full"] = server.rss_bytes()
         rss["after_200"] = server.rss_bytes()
@@ -161,7 +161,7 @@ def test_sglang_generate_route_and_paused_generation(sglang, make_adapter):
     generation paused, retiring the version a paused request uses still returns at once
     (upstream's unload would wait for the paused request forever)."""
     with LoRASyncClient(sglang.url, engine="sglang", api_key=sglang.api_key) as c:
-        c.push_tensors(make_adapter(seed=700), "paused")
+        c.push(make_adapter(seed=700), "paused", transport="tensors")
         body = {"text": PROMPT, "lora_path": "paused",
                 "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}
         status, out, headers = http.request("POST", f"{sglang.url}/generate", json_body=body)
@@ -184,7 +184,7 @@ def test_sglang_generate_route_and_paused_generation(sglang, make_adapter):
         try:
             t0 = time.perf_counter()
             for i in range(KEEP):  # retires v1 while its request is paused
-                c.push_tensors(make_adapter(seed=701 + i), "paused")
+                c.push(make_adapter(seed=701 + i), "paused", transport="tensors")
             pushes_s = time.perf_counter() - t0
             assert versions_of(c, "paused") == [1, 2, 3, 4]  # v1 drains, not dropped
         finally:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from lora_sync.adapter import ModelSpec
-from lora_sync.server.bridge import EngineBridge, check_worker_replies
+from lora_sync.messages import check_replies
+from lora_sync.server.bridge import EngineBridge
 
 from . import engine_api
 
@@ -19,7 +20,7 @@ class VLLMBridge(EngineBridge):
 
     async def call_workers(self, op, **args):
         # Workers cannot see how many data-parallel engines there are: tell them.
-        return check_worker_replies(await engine_api.worker_rpc(
+        return check_replies(await engine_api.worker_rpc(
             self.engine, WORKER_METHOD, op, args, engine_api.data_parallel_size(self.engine),
             timeout=RPC_TIMEOUT_S))
 
@@ -43,13 +44,13 @@ class VLLMBridge(EngineBridge):
         await engine_api.add_lora(self.engine, request)
         return request
 
-    def publish(self, names, handle):
-        engine_api.publish(self.state, names, handle)
+    def publish(self, served_name, handle):
+        engine_api.publish(self.state, served_name, handle)
 
-    async def unpublish(self, names):
-        engine_api.unpublish(self.state, names)
+    async def unpublish(self, served_name):
+        engine_api.unpublish(self.state, served_name)
 
-    async def in_use(self, adapter_id, served_name):
+    async def in_use(self, adapter_id):
         return engine_api.adapter_in_use(self.engine, adapter_id)
 
     async def free(self, adapter_ids):

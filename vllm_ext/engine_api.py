@@ -162,17 +162,13 @@ def next_lora_id(app_state) -> int:
     return serving_models(app_state).lora_id_counter.inc(1)
 
 
-def publish(app_state, names: list[str], request) -> None:
-    """Makes `request` answer to every name in `names` (the version and the alias)."""
-    table = serving_models(app_state).lora_requests
-    for n in names:
-        table[n] = request
+def publish(app_state, served_name: str, request) -> None:
+    """Makes `request` answer to `served_name` in vLLM's table of adapters."""
+    serving_models(app_state).lora_requests[served_name] = request
 
 
-def unpublish(app_state, names: list[str]) -> None:
-    table = serving_models(app_state).lora_requests
-    for n in names:
-        table.pop(n, None)
+def unpublish(app_state, served_name: str) -> None:
+    serving_models(app_state).lora_requests.pop(served_name, None)
 
 
 

@@ -9,10 +9,11 @@ import threading
 from abc import ABC, abstractmethod
 
 from lora_sync.errors import BadAdapter
-from lora_sync.staging import write_notice
+from lora_sync.messages import IntakeRequest, WorkerReply
+from lora_sync.notices import write_notice
 from lora_sync.transports import TRANSPORTS
 
-from .receiver import StoredAdapter, WorkerState, check_intake, engine_refusal, reply
+from .receiver import StoredAdapter, WorkerState, check_intake, engine_refusal
 
 
 class WorkerEngine(ABC):
@@ -49,10 +50,11 @@ class LoRASyncWorker:
         self._background_locks: dict[str, threading.Lock] = {}
 
     def call(self, op: str, args: dict) -> dict:
+        """Runs one op; its WorkerReply as a plain dict (what the engine's RPC carries)."""
         if op not in self.OPS or not isinstance(args, dict):
-            return {"ok": False, "status": 400, "code": "bad_request",
-                    "message": f"unknown lora-sync worker operation {op!r}"}
-        return reply(getattr(self, op), **args)
+            return WorkerReply.failed(BadAdapter(f"unknown lora-sync worker operation {op!r}",
+                                                 code="bad_request")).to_json()
+        return WorkerReply.run(getattr(self, op), **args).to_json()
 
     # -- ops ------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -60,27 +62,27 @@ class LoRASyncWorker:
         return {"rank": rank, "world_size": world, "cached_ids": sorted(self.engine.cached_ids()),
                 "held_ids": sorted(self.state.adapters), "groups": self.state.group_names()}
 
-    def intake(self, transport: str, adapter_id: int, config: dict, checksum: str | None = None,
-               notice_paths: list | None = None, **transport_args) -> dict:
-        """Takes an adapter in through `transport`'s worker intake, checks and builds it.
-        With `notice_paths` it runs on a thread (one at a time per group) and the outcome
-        goes to this rank's notice: the engine keeps stepping during a long transfer."""
-        module = TRANSPORTS.get(transport)
-        if module is None:
-            raise BadAdapter(f"unknown transport {transport!r}", code="bad_request")
+    def intake(self, request: dict, notice_paths: list | None = None) -> dict:
+        """Takes an adapter in through its transport's worker side, checks and builds it.
+        With `notice_paths` it runs on a thread (one at a time per transport and group) and
+        the outcome goes to this rank's notice: the engine keeps stepping meanwhile."""
+        intake = IntakeRequest.from_json(request)
+        transport = TRANSPORTS.get(intake.transport)
+        if transport is None:
+            raise BadAdapter(f"unknown transport {intake.transport!r}", code="bad_request")
         rank, self.state.world_size = self.engine.rank()
 
         def work() -> dict:
-            received = module.worker_intake(self.state, **transport_args)
-            check_intake(received.tensors, checksum)
-            stored = StoredAdapter(received.tensors, config, received.nbytes,
+            received = transport.receive(intake, self.state)
+            check_intake(received.tensors, intake.checksum)
+            stored = StoredAdapter(received.tensors, intake.config, received.nbytes,
                                    buffers=received.buffers)
-            stored.built = engine_refusal(self.engine.build, adapter_id, stored)
-            self.state.adapters[adapter_id] = stored
+            stored.built = engine_refusal(self.engine.build, intake.adapter_id, stored)
+            self.state.adapters[intake.adapter_id] = stored
             return {"bytes": stored.nbytes}
         if notice_paths is None:
             return work()
-        self._in_background(transport_args.get("group_name", transport),
+        self._in_background(intake.args.get("group_name", intake.transport),
                             notice_paths[rank], work)
         return {}
 
@@ -110,5 +112,5 @@ class LoRASyncWorker:
 
         def run():
             with lock:  # one transfer at a time per group, in request order
-                write_notice(notice_path, reply(work))
+                write_notice(notice_path, WorkerReply.run(work))
         threading.Thread(target=run, name=f"lora-sync-intake-{key}", daemon=True).start()

@@ -1,8 +1,8 @@
 """Engine-agnostic worker state: adapters kept in memory, the buffers they arrived in, and
-the trainer process groups; plus the checks every intake runs and the reply format.
+the trainer process groups; plus the checks every intake runs.
 
-The transports' worker intakes (lora_sync/transports) fill it through `take_buffer` and
-`group`; the dispatcher (dispatcher.py) owns one per worker."""
+The transports' worker sides (lora_sync/transports) use it as their pool: `take_buffer`,
+`group`, `keep_spares`; the dispatcher (dispatcher.py) owns one per worker."""
 from __future__ import annotations
 
 import os
@@ -14,8 +14,9 @@ import torch
 
 from lora_sync import collective
 from lora_sync.adapter import tensors_checksum
-from lora_sync.errors import BadAdapter, Conflict, LoRASyncError, TransferFailed
-from lora_sync.staging import write_notice
+from lora_sync.errors import BadAdapter, Conflict, TransferFailed
+from lora_sync.messages import WorkerReply
+from lora_sync.notices import write_notice
 
 
 @dataclass
@@ -98,7 +99,7 @@ class WorkerState:
 
         def work():
             try:
-                write_notice(notice_path, reply(create))
+                write_notice(notice_path, WorkerReply.run(create))
             finally:
                 with self.groups_lock:
                     if self.pending.get(group_name) is setup:
@@ -123,8 +124,7 @@ class WorkerState:
 # integer view is several times cheaper than torch.isfinite on CPU.
 _EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.float16: (torch.int16, 0x7C00),
              torch.bfloat16: (torch.int16, 0x7F80)}
-# Off by default: a full pass over the weights (about 0.5 ms per MB on this CPU) would be the
-# largest part of a sync. Operators who want NaN/Inf refused set LORA_SYNC_CHECK_FINITE=1.
+# Off by default: a full pass over the weights would be the largest part of a sync on CPU. Operators who want NaN/Inf refused set LORA_SYNC_CHECK_FINITE=1.
 CHECK_FINITE = os.environ.get("LORA_SYNC_CHECK_FINITE", "0") == "1"
 
 
@@ -146,20 +146,6 @@ def check_finite(tensors: dict[str, torch.Tensor], enabled: bool | None = None) 
         as_int, mask = _EXPONENT[t.dtype]
         if t.numel() and int((t.view(as_int) & mask).max()) == mask:
             raise BadAdapter(f"tensor {name!r} contains NaN or Inf values", code="non_finite")
-
-
-def reply(fn, *args, **kwargs) -> dict:
-    """Runs a worker step and turns the outcome into a plain dict for the engine's RPC
-    (exceptions do not travel well through it): {'ok', 'ms', ...} or the error fields."""
-    t0 = time.perf_counter()
-    try:
-        out = fn(*args, **kwargs) or {}
-        return {"ok": True, "ms": (time.perf_counter() - t0) * 1e3, **out}
-    except LoRASyncError as e:
-        return {"ok": False, "status": e.status, "code": e.code, "message": e.message}
-    except Exception as e:  # a bug of ours or the engine's, not the client's: a 5xx
-        return {"ok": False, "status": 500, "code": "worker_failed",
-                "message": f"worker failed: {type(e).__name__}: {str(e)[:1000]}"}
 
 
 def engine_refusal(fn, *args):

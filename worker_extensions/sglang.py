@@ -34,6 +34,7 @@ class SGLangWorkerEngine(WorkerEngine):
         return engine_api.loaded_ids(self.scheduler)
 
 
-def scheduler_handler(scheduler):
-    """The `handle(op, args)` SGLang's scheduler dispatches our requests to."""
-    return LoRASyncWorker(SGLangWorkerEngine(scheduler)).call
+def install(scheduler) -> None:
+    """Run by the plugin in every scheduler process: our requests go to the dispatcher."""
+    engine_api.add_scheduler_handler(scheduler,
+                                     LoRASyncWorker(SGLangWorkerEngine(scheduler)).call)

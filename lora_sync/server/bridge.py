@@ -6,8 +6,8 @@ import secrets
 from abc import ABC, abstractmethod
 
 from ..adapter import ModelSpec
-from ..errors import LoRASyncError
-from ..staging import notice_paths, wait_notices
+from ..messages import WorkerReply, check_replies
+from ..notices import notice_paths, wait_notices
 
 
 class EngineBridge(ABC):
@@ -40,50 +40,43 @@ class EngineBridge(ABC):
         """A fresh engine-wide integer id for a new version."""
 
     @abstractmethod
-    async def call_workers(self, op: str, **args) -> list[dict]:
-        """Runs a dispatcher op (keyword arguments only) on every worker; one reply each."""
+    async def call_workers(self, op: str, **args) -> list[WorkerReply]:
+        """Runs a dispatcher op (keyword arguments only) on every worker; one reply each
+        (`messages.check_replies`: the first refusal is raised)."""
 
     @abstractmethod
     async def worker_count(self) -> int: ...
 
-    async def call_workers_in_background(self, op: str, wait_s: float, **args) -> list[dict]:
+    async def call_workers_in_background(self, op: str, wait_s: float,
+                                         **args) -> list[WorkerReply]:
         """For ops that may take long (a transfer, a rendezvous): the call only starts the
         work, so the engine loop stays free; each worker reports in a notice file, and one
         missing after `wait_s` is a TransferFailed."""
         notices = notice_paths(await self.worker_count())
         await self.call_workers(op, notice_paths=notices, **args)
-        return check_worker_replies(await wait_notices(notices, wait_s))
+        return check_replies([r.to_json() for r in await wait_notices(notices, wait_s)])
 
     async def worker_status(self) -> list[dict]:
         """One dict per worker: rank, world_size, the adapter ids it holds/caches, groups."""
-        return await self.call_workers("info")
+        return [r.data for r in await self.call_workers("info")]
 
     @abstractmethod
     async def activate(self, served_name: str, adapter_id: int):
         """Registers the adapter the workers took in with the engine; returns its handle."""
 
     @abstractmethod
-    def publish(self, names: list[str], handle) -> None:
-        """Makes requests naming any of `names` (versioned names only) use `handle`."""
+    def publish(self, served_name: str, handle) -> None:
+        """Makes requests naming `served_name` (a versioned name) use `handle`."""
 
     @abstractmethod
-    async def unpublish(self, names: list[str]) -> None:
-        """New requests naming these get a 404."""
+    async def unpublish(self, served_name: str) -> None:
+        """New requests naming it get a 404."""
 
     @abstractmethod
-    async def in_use(self, adapter_id: int, served_name: str) -> bool:
+    async def in_use(self, adapter_id: int) -> bool:
         """Whether the engine still has a request (queued, running or on its way in) on
         this adapter: it must not be freed before that request ends."""
 
     @abstractmethod
     async def free(self, adapter_ids: list[int]) -> None:
         """Frees the engine's and the workers' copies."""
-
-
-def check_worker_replies(replies: list[dict]) -> list[dict]:
-    """Raises the first worker refusal as the matching LoRASyncError."""
-    for r in replies:
-        if not r.get("ok"):
-            raise LoRASyncError(r.get("message", "worker failed"), code=r.get("code"),
-                                status=r.get("status", 500))
-    return replies

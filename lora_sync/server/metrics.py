@@ -28,11 +28,13 @@ import sys
 import time
 import weakref
 
+from ..transports import TRANSPORTS
+
 logger = logging.getLogger("lora_sync")
 
 # Push phases (the reply's timings_ms, docs/protocol.md); any other key is not a label value.
 PHASES = ("settle", "receive", "wait", "worker", "handoff", "register")
-TRANSPORT_NAMES = ("tensors", "shm", "broadcast")
+TRANSPORT_NAMES = tuple(TRANSPORTS)
 # Seconds: a push of a small adapter takes milliseconds, a large broadcast seconds.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
            30.0, 60.0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping
 
 OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
 
@@ -19,28 +18,24 @@ SUPPORTED: dict[str, dict[str, str]] = {
 logger = logging.getLogger("lora_sync")
 
 
-def _describe(tested: Mapping[str, str]) -> str:
+def _describe(tested: dict[str, str]) -> str:
     return "; ".join(f"{v}: {how}" for v, how in tested.items())
 
 
-def require_tested(engine: str, installed: str, tested: str | Mapping[str, str]) -> str:
-    """`tested` is one version, or {version: how it was tested}."""
-    how = {tested: "tested"} if isinstance(tested, str) else dict(tested)
+def require_supported(engine: str, installed: str) -> str:
+    """The installed version if it is in SUPPORTED[engine] (or the operator overrides);
+    else a RuntimeError naming the supported versions and how each was tested."""
+    how = SUPPORTED[engine]
     version = installed.split("+")[0]  # local builds: 0.32.0+cpu is 0.32.0
     if version in how:
         logger.info("lora-sync on %s %s: %s (supported: %s)", engine, installed, how[version],
                     _describe(how))
         return installed
     if os.environ.get(OVERRIDE_ENV) != "1":
-        detail = "" if isinstance(tested, str) else f" ({_describe(how)})"
         raise RuntimeError(
-            f"lora-sync is tested with {engine} {' or '.join(how)}, found {installed}{detail}. "
-            f"It touches private {engine} APIs that change between releases; set "
-            f"{OVERRIDE_ENV}=1 to try anyway.")
+            f"lora-sync is tested with {engine} {' or '.join(how)}, found {installed} "
+            f"({_describe(how)}). It touches private {engine} APIs that change between "
+            f"releases; set {OVERRIDE_ENV}=1 to try anyway.")
     logger.warning("lora-sync on untested %s %s (%s=1; supported: %s)", engine, installed,
                    OVERRIDE_ENV, _describe(how))
     return installed
-
-
-def require_supported(engine: str, installed: str) -> str:
-    return require_tested(engine, installed, SUPPORTED[engine])

@@ -11,22 +11,21 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from ..errors import BadAdapter, LoRASyncError, PayloadTooLarge
-from ..transports import TRANSPORTS, broadcast, shm, tensors
-from ..transports.base import RawBody, Route
+from ..transports import TRANSPORTS
+from ..transports.base import RawBody, Transport
 from . import metrics
 from .service import AdapterService
 
 logger = logging.getLogger("lora_sync")
-# Every POST route: the transports' own, and retiring a name.
-POST_ROUTES = {path: route for module in TRANSPORTS.values()
-               for path, route in module.ROUTES.items()}
-POST_ROUTES["/retire_lora_adapter"] = Route(AdapterService.retire_name)
+RETIRE_ROUTE = "/retire_lora_adapter"
+# Every POST route: path -> (transport, its Route); and retiring a name, the service's own.
+TRANSPORT_ROUTES = {path: (t, route) for t in TRANSPORTS.values()
+                    for path, route in t.routes().items()}
 GET_ROUTES = ("/lora_sync_info", "/lora_adapters")
 # The routes whose reply is a push's outcome, by transport (metrics and the push log line),
-# and the shm lease, the first step of an shm push: a refused lease is a failed push.
-PUSH_ROUTES = {f"/{tensors.ROUTE}": "tensors", f"/{shm.COMMIT_ROUTE}": "shm",
-               f"/{broadcast.LOAD_ROUTE}": "broadcast"}
-PUSH_START_ROUTES = {f"/{shm.LEASE_ROUTE}": "shm"}
+# and a push's first step (shm's lease): a refused first step is a failed push.
+PUSH_ROUTES = {t.push_path: t.name for t in TRANSPORTS.values()}
+PUSH_START_ROUTES = {t.start_path: t.name for t in TRANSPORTS.values() if t.start_path}
 # Every lora-sync reply names the server instance that gave it (new at each start).
 INSTANCE_HEADER = "X-LoRA-Sync-Instance"
 PICKLE_HINT = ("send the adapter as a safetensors body with Content-Type: "
@@ -39,7 +38,7 @@ def _service(request: Request) -> AdapterService:
 
 def own_paths(prefix: str) -> frozenset:
     """Every path of ours (admission leaves them to the routes' own checks)."""
-    return frozenset(prefix + p for p in (*POST_ROUTES, *GET_ROUTES))
+    return frozenset(prefix + p for p in (*TRANSPORT_ROUTES, RETIRE_ROUTE, *GET_ROUTES))
 
 
 async def _json(request: Request, limit: int) -> dict:
@@ -95,17 +94,28 @@ def build_router(prefix: str = "") -> APIRouter:
     async def read_json(request: Request, service: AdapterService) -> dict:
         return await _json(request, service.settings.max_request_bytes)
 
-    readers = {"json": read_json, "stream": read_stream}
+    def add_transport_route(path: str, transport: Transport, route):
+        async def act(service: AdapterService, request: Request):
+            if route.stream:
+                parsed = await read_stream(request, service)
+            else:
+                parsed = route.parse(await read_json(request, service), service.settings)
+            if route.handler is None:
+                return await service.push(transport, parsed)
+            return await route.handler(parsed, service.contexts[transport.name])
 
-    def add_post_route(path: str, route: Route):
         async def endpoint(request: Request):
-            async def act(service: AdapterService):
-                return await route.handler(service, await readers[route.body](request, service))
-            return await handle(request, act, path)
+            return await handle(request, lambda service: act(service, request), path)
         router.post(path)(endpoint)
 
-    for path, route in POST_ROUTES.items():
-        add_post_route(path, route)
+    for path, (transport, route) in TRANSPORT_ROUTES.items():
+        add_transport_route(path, transport, route)
+
+    @router.post(RETIRE_ROUTE)
+    async def retire(request: Request):
+        async def act(service: AdapterService):
+            return await service.retire_name(await read_json(request, service))
+        return await handle(request, act, RETIRE_ROUTE)
 
     @router.get("/lora_sync_info")
     async def info(request: Request):

@@ -12,12 +12,12 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from .. import naming
-from ..adapter import (META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, check_adapter,
-                       parse_config)
-from ..adapter import ModelSpec
-from ..errors import Conflict, Forbidden, NotFound, TooBusy, Unauthorized
+from ..adapter import ModelSpec, check_adapter
+from ..errors import Conflict, Forbidden, LoRASyncError, NotFound, TooBusy, Unauthorized
+from ..messages import IntakeRequest, WorkerReply
 from ..staging import BodyLimits, StagedBody, StagingArea
 from ..transports import TRANSPORTS
+from ..transports.base import RawBody, ServerContext, Staged, Transport
 from . import metrics
 from .bridge import EngineBridge
 
@@ -105,6 +105,33 @@ class AdapterRecord:
     hold: object = field(default=None, repr=False)  # the staged body workers map
 
 
+class Workers:
+    """The worker ops the service and the transports' routes use, on every worker of the
+    engine (through its bridge); a refusal raises the matching LoRASyncError."""
+
+    def __init__(self, bridge: EngineBridge):
+        self._bridge = bridge
+
+    async def call(self, op: str, **args) -> list[WorkerReply]:
+        return await self._bridge.call_workers(op, **args)
+
+    async def call_in_background(self, op: str, wait_s: float, **args) -> list[WorkerReply]:
+        return await self._bridge.call_workers_in_background(op, wait_s, **args)
+
+    async def intake(self, request: IntakeRequest,
+                     background_s: float | None = None) -> list[WorkerReply]:
+        """A new adapter into every worker; with `background_s`, on the workers' threads
+        (a long transfer must not hold the engine loop), waiting that long at most."""
+        if background_s is None:
+            return await self.call("intake", request=request.to_json())
+        return await self.call_in_background("intake", background_s,
+                                             request=request.to_json())
+
+    async def status(self) -> list[dict]:
+        """One dict per worker: rank, world_size, the adapter ids it holds/caches, groups."""
+        return await self._bridge.worker_status()
+
+
 class AdapterService:
     def __init__(self, bridge: EngineBridge, settings: Settings | None = None):
         self.bridge = bridge
@@ -117,10 +144,13 @@ class AdapterService:
         self._locks: dict[str, asyncio.Lock] = {}
         self._spec: ModelSpec | None = None
         self.staging = StagingArea()
-        # Per transport, what its routes keep between requests (shm: the open leases).
-        self.transport_state = {name: module.server_state(self.settings)
-                                for name, module in TRANSPORTS.items()
-                                if hasattr(module, "server_state")}
+        self.workers = Workers(bridge)
+        # Per transport, what it may use: its own state between requests (shm: the open
+        # leases; broadcast: the groups) and what the service lends it.
+        self.contexts = {name: ServerContext(self.settings, t.new_state(self.settings),
+                                             self.staging, self.workers, self._receive_body,
+                                             self._in_background)
+                         for name, t in TRANSPORTS.items()}
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
         self._background: set = set()                 # other work after a reply
@@ -187,51 +217,32 @@ class AdapterService:
         """Whether the engine itself serves `name` (a model or one of its own adapters)."""
         return name in self.bridge.engine_names()
 
-    # -- what the transports' routes build on (lora_sync/transports) -------------------
-    async def receive_body(self, chunks, content_length: int | None) -> StagedBody:
-        """Streams an upload into staging; uploads and what the transports hold (open
-        leases) share one budget."""
-        held = sum(getattr(s, "held_bytes", 0) for s in self.transport_state.values())
-        return await self.staging.receive_body(chunks, self.settings.body_limits,
-                                               content_length, held_elsewhere=held)
-
-    def in_background(self, fn, *args) -> None:
-        """Runs `fn(*args)` on a thread after the reply (kept referenced until done)."""
-        task = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def install_file(self, staged: StagedBody, hold, transport: str, t0: float,
-                           **timings_ms) -> dict:
-        """Checks a safetensors file staged in server memory and installs it; `hold` (the
-        file) goes back unless the new version keeps it."""
+    # -- pushes: the one flow every transport's push goes through -----------------------
+    async def push(self, transport: Transport, request) -> dict:
+        """stage (the transport) -> check -> install: reserve the version, the workers'
+        intake, activate, publish, retire what falls out of the window. Any failure leaves
+        the previous versions exactly as they were."""
+        t0 = time.perf_counter()
+        settle_ms = await self.settle()
+        ctx = self.contexts[transport.name]
+        staged = await transport.stage(request, ctx)
         kept = False
         try:
-            meta = staged.header.metadata
-            name = naming.check_name(meta.get(META_NAME))
-            version = naming.parse_version(meta.get(META_VERSION))
-            checksum = meta.get(META_CHECKSUM)
-            cfg = check_adapter(staged.header.specs, parse_config(meta.get(META_CONFIG)),
-                                await self.model_spec())
-
-            async def intake(adapter_id):
-                return await self.bridge.call_workers(
-                    "intake", transport=transport, adapter_id=adapter_id, config=cfg,
-                    checksum=checksum, path=staged.path)
-            nbytes = staged.nbytes - staged.header.data_start
-            reply = await self.install(name, version, cfg, nbytes, transport, intake, t0, hold)
-            kept = True  # the workers now map the file: it goes back when the version does
-            reply["timings_ms"].update(timings_ms)
-            return reply
+            cfg = check_adapter(staged.specs, staged.config, await self.model_spec())
+            reply = await self._install(transport.name, staged, cfg, t0)
+            kept = True  # the workers may use what the version holds: it goes with it
+        except LoRASyncError as e:
+            if staged.on_failure is not None:
+                staged.on_failure(e)
+            raise
         finally:
             if not kept:
-                hold.close()
+                staged.release()
+        reply["timings_ms"].update(staged.timings_ms, settle=settle_ms)
+        return reply
 
-    async def install(self, name, version_req, cfg, nbytes, transport, intake, t0,
-                      hold=None) -> dict:
-        """Reserves the version, runs the transport's `intake(adapter_id)` on the workers,
-        registers and publishes it, and retires what falls out of the window. Any failure
-        leaves the previous versions exactly as they were."""
+    async def _install(self, transport: str, staged: Staged, cfg: dict, t0: float) -> dict:
+        name = staged.name
         t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
             if name not in self._names() and len(self._names()) >= self.settings.max_names:
@@ -239,12 +250,14 @@ class AdapterService:
                               "names (LORA_SYNC_MAX_NAMES); retire one with "
                               "retire_lora_adapter first", code="too_many_names")
             self.check_disjoint(name)
-            version = self.book.reserve(name, version_req)
+            version = self.book.reserve(name, staged.version)
             adapter_id = self.bridge.new_adapter_id()
             t1 = time.perf_counter()
             try:
                 served = naming.versioned(name, version)
-                worker_ms = max(r.get("ms", 0.0) for r in await intake(adapter_id))
+                intake = staged.intake(transport, adapter_id, cfg)
+                replies = await self.workers.intake(intake, staged.background_s)
+                worker_ms = max(r.ms for r in replies)
                 t2 = time.perf_counter()
                 handle = await self.bridge.activate(served, adapter_id)
             except BaseException:
@@ -254,19 +267,31 @@ class AdapterService:
             t3 = time.perf_counter()
             # The engine's table gets the version only; the alias lives here and admission
             # resolves it, so no engine route can use it uncounted.
-            self.bridge.publish([served], handle)
+            self.bridge.publish(served, handle)
             retired = self.book.commit(name, version, self.settings.keep_versions)
-            rec = AdapterRecord(name, version, served, adapter_id, nbytes, int(cfg["r"]),
-                                transport, (t3 - t0) * 1e3, hold=hold)
+            rec = AdapterRecord(name, version, served, adapter_id, staged.nbytes,
+                                int(cfg["r"]), transport, (t3 - t0) * 1e3, hold=staged.hold)
             self.records[served] = rec
             self.retired_names.pop(name, None)
             self._retire(name, retired)
             metrics.state_changed()
-        return {"name": served, "lora_name": name, "version": version, "bytes": nbytes,
+        return {"name": served, "lora_name": name, "version": version, "bytes": staged.nbytes,
                 "load_ms": rec.load_ms, "transport": transport,
                 "timings_ms": {"wait": (t1 - t_in) * 1e3, "worker": worker_ms,
                                "handoff": (t2 - t1) * 1e3 - worker_ms,
                                "register": (t3 - t2) * 1e3}}
+
+    async def _receive_body(self, raw: RawBody) -> StagedBody:
+        """Streams an upload into staging; uploads and open shm leases share one budget."""
+        held = sum(getattr(c.state, "held_bytes", 0) for c in self.contexts.values())
+        return await self.staging.receive_body(raw.chunks, self.settings.body_limits,
+                                               raw.content_length, held_elsewhere=held)
+
+    def _in_background(self, fn, *args) -> None:
+        """Runs `fn(*args)` on a thread after the reply (kept referenced until done)."""
+        task = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def retire_name(self, body: dict) -> dict:
         """Takes every version of a name out of service at once (the name no longer counts
@@ -327,11 +352,11 @@ class AdapterService:
         task.add_done_callback(lambda _: self._draining.pop(rec.served_name, None))
 
     async def _free(self, rec: AdapterRecord) -> None:
-        await self.bridge.unpublish([rec.served_name])
+        await self.bridge.unpublish(rec.served_name)
         # Our count says no admitted request is left. The engine is asked too: a request
         # that reached it by a path admission did not count must finish before the adapter
         # goes, or the engine would fail on a missing adapter.
-        while await self.bridge.in_use(rec.adapter_id, rec.served_name):
+        while await self.bridge.in_use(rec.adapter_id):
             await asyncio.sleep(DRAIN_POLL_S)
         self.records.pop(rec.served_name, None)
         metrics.state_changed()  # the version's series go
@@ -341,9 +366,11 @@ class AdapterService:
         self._freeing.add(task)
         try:
             freed = await self._free_engine_copies([rec.adapter_id])
-            if rec.hold is not None:
-                # Reuse the file only once no worker serves from it; else just let it go.
-                rec.hold.close(reusable=freed)
+            # What the version held is reused only once no worker serves from it; if the
+            # workers could not be told, it stays until the server stops (rare: a broken
+            # engine RPC), never overwritten under a version still in use.
+            if rec.hold is not None and freed:
+                rec.hold.close()
         finally:
             self._freeing.discard(task)
 
@@ -378,15 +405,15 @@ class AdapterService:
         """What a trainer needs before it broadcasts: worker count and the model's limits,
         so it can refuse a bad adapter before any collective call."""
         spec = await self.model_spec()
-        status = await self.bridge.worker_status()
+        status = await self.workers.status()
         return {"instance_id": self.instance_id, "workers": len(status),
                 "worker_status": status, "max_lora_rank": spec.max_rank,
                 "linear_modules": {k: list(v) for k, v in spec.linear.items()},
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
                 "max_names": self.settings.max_names,
-                **{k: v for st in self.transport_state.values() if hasattr(st, "info")
-                   for k, v in st.info().items()}}
+                **{k: v for c in self.contexts.values() if hasattr(c.state, "info")
+                   for k, v in c.state.info().items()}}
 
     def list_adapters(self) -> dict:
         """Per name: its servable versions (and retired ones requests still run on), the

@@ -1,11 +1,28 @@
-"""What every transport shares on the trainer side: the server it talks to and the typed
-result of one push."""
+"""The transport plug-in: one class per way of moving an adapter's tensors, with its three
+sides (trainer, API process, worker), and the typed values that pass between them.
+
+A push of one version, whatever the transport:
+  trainer   client: prepare once -> send to each server (the client fans out) -> finish
+  API       routes parse the request -> AdapterService.push: stage (this transport) ->
+            check -> install (reserve, workers' intake, activate, publish)
+  worker    dispatcher: receive (this transport) -> check -> build
+
+A transport never calls back into its caller: each side gets what it needs as arguments
+(`SendContext`, `ServerContext`, the worker's buffer pool) and returns a typed value
+(`PushResult`, `Staged`, `Received`). Adding one is a module here and a line in
+`transports/__init__.py`; routes, metrics, client and CLI read that table."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
+from .. import naming
+from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, parse_config
 from ..http import check_url
+from ..messages import IntakeRequest
 from ..replies import PushReply
+from ..wire import TensorSpec
 
 # The only engine difference the client knows: where the routes live.
 ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
@@ -24,6 +41,18 @@ class Server:
 
     def route(self, name: str) -> str:
         return f"{self.url.rstrip('/')}{ROUTE_PREFIX[self.engine]}/{name}"
+
+
+@dataclass(frozen=True)
+class SendContext:
+    """One push as the client hands it to a transport's trainer side."""
+    name: str
+    version: int | None
+    checksum: bool
+    headers: dict
+    timeout: float
+    client_id: str
+    group: Any = None             # the client's update group (broadcast), if it made one
 
 
 @dataclass
@@ -70,13 +99,16 @@ class PushResult:
         return cls(server_url, None, version, 0, seconds, error=error)
 
 
-# -- server side ------------------------------------------------------------------------
+# -- server side (API process) ----------------------------------------------------------
 @dataclass(frozen=True)
 class Route:
-    """One HTTP route a transport adds to the server: `handler(service, body)` gets the JSON
-    object (body="json") or a `RawBody` of the streamed request (body="stream")."""
-    handler: object
-    body: str = "json"
+    """One HTTP route a transport adds: `parse(body, limits)` makes the typed request from
+    the JSON object (`stream=True`: the request is the `RawBody` itself); `handler(request,
+    ctx)` answers it, or, when None, the request is a push (`Transport.stage`, then the
+    service's install)."""
+    parse: Callable[[Any, Any], Any] | None = None
+    handler: Callable | None = None
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,11 +117,108 @@ class RawBody:
     content_length: int | None
 
 
+@dataclass
+class ServerContext:
+    """What a transport's server side may use: the operator's limits, its own state between
+    requests, and the capabilities the service lends it (none of them the service itself)."""
+    limits: Any                   # server.service.Settings, read only
+    state: Any                    # what `Transport.new_state` made
+    staging: Any                  # staging.StagingArea: where bodies land
+    workers: Any                  # server.service.Workers: ops on every worker
+    receive_body: Callable        # async (RawBody) -> staging.StagedBody, budget shared
+    in_background: Callable       # (fn, *args): runs after the reply, on a thread
+
+
+@dataclass
+class Staged:
+    """A push as far as the API process takes it before the workers: what it claims to
+    be (checked by the service against the model), the transport's own intake arguments,
+    and what the new version must keep alive (`hold.close()` when it goes, or at once if the
+    push fails)."""
+    name: str
+    version: int | None
+    config: dict
+    specs: list[TensorSpec]
+    nbytes: int                   # tensor bytes
+    checksum: str | None
+    intake_args: dict
+    hold: Any = None
+    background_s: float | None = None  # workers take it in on a thread, within this
+    timings_ms: dict = field(default_factory=dict)
+    on_failure: Callable | None = None  # (LoRASyncError) -> None, after a failed install
+
+    def intake(self, transport: str, adapter_id: int, config: dict) -> IntakeRequest:
+        return IntakeRequest(transport, adapter_id, config, self.checksum, self.intake_args)
+
+    def release(self) -> None:
+        if self.hold is not None:
+            self.hold.close()
+
+
+def staged_file(body, hold, **timings_ms) -> Staged:
+    """A safetensors file staged in server memory (an HTTP body, a sealed shm lease): the
+    push's fields come from its metadata. `hold` goes back if they are bad."""
+    try:
+        meta = body.header.metadata
+        return Staged(naming.check_name(meta.get(META_NAME)),
+                      naming.parse_version(meta.get(META_VERSION)),
+                      parse_config(meta.get(META_CONFIG)), body.header.specs,
+                      body.nbytes - body.header.data_start, meta.get(META_CHECKSUM),
+                      {"path": body.path}, hold, timings_ms=timings_ms)
+    except BaseException:
+        hold.close()
+        raise
+
+
 # -- worker side ------------------------------------------------------------------------
 @dataclass
 class Received:
-    """What a transport's worker intake hands the dispatcher: the tensors, their bytes, and
+    """What a transport's worker side hands the dispatcher: the tensors, their bytes, and
     the buffers they view (which become the spares of the next intake)."""
     tensors: dict
     nbytes: int
     buffers: list = field(default_factory=list)
+
+
+# -- the plug-in ------------------------------------------------------------------------
+class Transport(ABC):
+    name: ClassVar[str]
+    push_path: ClassVar[str]               # the route whose reply ends a push
+    start_path: ClassVar[str | None] = None  # a push's first step, if it has one
+    # False: one collective send reaches every server at once (all or nothing).
+    per_server: ClassVar[bool] = True
+
+    @abstractmethod
+    def routes(self) -> dict[str, Route]:
+        """Path (without the engine's prefix) -> Route."""
+
+    # trainer side
+    def prepare(self, adapter, ctx: SendContext):
+        """Once per push, before any server: what `send` sends (default: the adapter)."""
+        return adapter
+
+    @abstractmethod
+    def send(self, outgoing, server: Server, ctx: SendContext) -> "PushResult | None":
+        """Pushes to one server; None when this transport cannot reach it from here."""
+
+    def finish(self, outgoing, results: list) -> None:
+        """Once per push, after every server answered (or failed)."""
+
+    def send_timeout(self, ctx: SendContext) -> float | None:
+        """Seconds one push may take, when the client's own timeout is not the bound."""
+        return None
+
+    # server side
+    def new_state(self, limits) -> Any:
+        """What this transport keeps between requests in one API process."""
+        return None
+
+    @abstractmethod
+    async def stage(self, request, ctx: ServerContext) -> Staged:
+        """Takes a push request as far as the API process goes."""
+
+    # worker side
+    @abstractmethod
+    def receive(self, intake: IntakeRequest, pool) -> Received:
+        """Takes the tensors in on one worker; `pool` lends buffers and update groups
+        (worker_extensions/receiver.py WorkerState)."""

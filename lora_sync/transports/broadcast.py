@@ -22,7 +22,7 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +33,8 @@ from ..errors import (BadAdapter, Forbidden, LoRASyncError, PayloadTooLarge, Too
                       TransferFailed)
 from ..fields import field as json_field
 from ..wire import MAX_TENSORS, TensorSpec
-from .base import PushResult, Received, Route
+from .base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
+    Transport
 
 INIT_ROUTE = "init_lora_update_group"
 LOAD_ROUTE = "load_lora_adapter_from_distributed"
@@ -53,17 +54,18 @@ class TrainerGroup:
     device: str
     bucket_bytes: int
     timeout_s: float
-    tokens: list = field(default_factory=list)  # per server: the group's ownership token
+    tokens: dict = field(default_factory=dict)  # server url -> the group's ownership token
     broken: bool = False
     send_buffers: dict = field(default_factory=dict)  # the frames, kept between pushes
 
 
-def init_group(client, master_address: str, master_port: int, backend: str = "gloo",
-               group_name: str = "default", timeout_s: float = 120.0,
+def init_group(servers: list, headers: dict, infos: list, master_address: str,
+               master_port: int, backend: str = "gloo", group_name: str = "default",
+               timeout_s: float = 120.0,
                bucket_bytes: int = collective.DEFAULT_BUCKET_BYTES) -> TrainerGroup:
-    """Forms one group with every worker of every server: server i's workers take ranks
-    offset_i .. offset_i + workers_i - 1, offsets following the server order."""
-    infos = client.info()
+    """Forms one group with every worker of every server (`infos`: their lora_sync_info):
+    server i's workers take ranks offset_i .. offset_i + workers_i - 1, offsets following
+    the server order. A server that refuses to join fails the call at once."""
     offsets, world = [], 1
     for info in infos:
         offsets.append(world)
@@ -71,79 +73,47 @@ def init_group(client, master_address: str, master_port: int, backend: str = "gl
     bodies = [{"master_address": master_address, "master_port": master_port,
                "rank_offset": off, "world_size": world, "backend": backend,
                "group_name": group_name, "timeout_s": timeout_s} for off in offsets]
-    with ThreadPoolExecutor(len(client.servers)) as pool:
-        joins = [pool.submit(http.call, "POST", s.route(INIT_ROUTE),
-                             json_body=b, headers=client.headers, timeout=timeout_s + 30)
-                 for s, b in zip(client.servers, bodies)]
-        pg = collective.create_group(master_address, master_port, 0, world, backend,
-                                     timeout_s)
+    pool = ThreadPoolExecutor(len(servers) + 1)
+    try:
+        joins = [pool.submit(http.call, "POST", s.route(INIT_ROUTE), json_body=b,
+                             headers=headers, timeout=timeout_s + 30)
+                 for s, b in zip(servers, bodies)]
+        forming = pool.submit(collective.create_group, master_address, master_port, 0, world,
+                              backend, timeout_s)
+        # A refusal is final: waiting out the rendezvous for its workers would only delay
+        # the error (the rendezvous then times out on its own thread).
+        done, _ = wait([forming, *joins], return_when=FIRST_EXCEPTION)
+        for f in joins:
+            if f in done and f.exception() is not None:
+                raise f.exception()
+        pg = forming.result()
         replies = [j.result()[0] for j in joins]
+    finally:
+        pool.shutdown(wait=False)
     device = "cuda" if backend == "nccl" else "cpu"
     group = TrainerGroup(group_name, pg, world, backend, device, bucket_bytes, timeout_s,
-                         [r.get("group_token") for r in replies])
+                         {s.url: r.get("group_token") for s, r in zip(servers, replies)})
     group.specs = [ModelSpec({k: tuple(v) for k, v in i["linear_modules"].items()},
                              int(i["max_lora_rank"])) for i in infos]
     return group
 
 
-def broadcast(client, group: TrainerGroup, adapter: LoRAAdapter, name: str,
-              version: int | None = None, checksum: bool = False) -> list:
-    """Posts the metadata to every server and broadcasts the tensors concurrently; returns
-    when every server has the version servable."""
-    if group.broken:
-        raise TransferFailed(f"group {group.name!r} failed earlier; destroy it and call "
-                             "init_group again")
-    specs = adapter.specs()
-    for spec in group.specs:  # refuse before any collective call
-        check_adapter(specs, adapter.config, spec)
-    transfer = collective.Transfer.plan(specs, secrets.randbelow(MAX_TRANSFER_ID) + 1,
-                                        group.bucket_bytes)
-    body = {"lora_name": name, "version": version, "adapter_config": adapter.config,
-            "tensors": [s.to_json() for s in specs], "group_name": group.name,
-            "bucket_bytes": group.bucket_bytes, "transfer_id": transfer.transfer_id,
-            "checksum": adapter.checksum() if checksum else None}
-    t0 = time.perf_counter()
-    posts = [client._pool.submit(http.call, "POST", s.route(LOAD_ROUTE),
-                                 json_body={**body, "group_token": token},
-                                 headers=client.headers, timeout=group.timeout_s + 60)
-             for s, token in zip(client.servers, group.tokens)]
-    sent = threading.Event()
-    errors: list[BaseException] = []
-
-    def send():
-        try:
-            collective.send_transfer(group.pg, transfer, adapter.tensors, group.send_buffers,
-                                     group.device)
-        except BaseException as e:
-            errors.append(e)
-        finally:
-            sent.set()
-
-    threading.Thread(target=send, daemon=True, name="lora-sync-broadcast").start()
-    results = []
-    try:
-        for s, p in zip(client.servers, posts):
-            reply, _ = p.result()
-            results.append(PushResult.from_reply(s.url, reply, time.perf_counter() - t0,
-                                                 name, version))
-    except LoRASyncError:
-        # A server refused after the broadcast started: its peers' receive may now be
-        # out of step, so the group cannot be trusted any more.
-        group.broken = True
-        raise
-    if not sent.wait(group.timeout_s) or errors:
-        group.broken = True
-        raise TransferFailed(f"broadcast did not complete: {errors[0] if errors else 'timeout'}")
-    return results
-
-
-def destroy_group(client, group: TrainerGroup) -> None:
-    tokens = dict(zip((s.url for s in client.servers), group.tokens))
-    client._each(lambda s: http.call("POST", s.route(DESTROY_ROUTE),
-                                     json_body={"group_name": group.name,
-                                                "group_token": tokens.get(s.url)},
-                                     headers=client.headers, timeout=client.timeout))
+def destroy_group(servers: list, headers: dict, group: TrainerGroup, timeout: float) -> None:
+    with ThreadPoolExecutor(len(servers)) as pool:
+        for s in servers:
+            pool.submit(http.call, "POST", s.route(DESTROY_ROUTE), headers=headers,
+                        timeout=timeout, json_body={"group_name": group.name,
+                                                    "group_token": group.tokens.get(s.url)})
     group.pg.shutdown()
+
+
+@dataclass
+class Outgoing:
+    """One broadcast under way: the metadata every server gets, and the collective send."""
+    group: TrainerGroup
+    body: dict
+    sent: threading.Event = field(default_factory=threading.Event)
+    errors: list = field(default_factory=list)
 
 
 # -- typed messages ---------------------------------------------------------------------
@@ -154,6 +124,17 @@ def group_name_of(body: dict) -> str:
 
 def group_token_of(body: dict, where: str) -> str:
     return json_field(body, "group_token", str, max_len=64, where=where)
+
+
+@dataclass(frozen=True)
+class GroupRef:
+    """A group named by the client that owns it (destroy)."""
+    group_name: str
+    group_token: str
+
+    @classmethod
+    def from_json(cls, body: dict) -> "GroupRef":
+        return cls(group_name_of(body), group_token_of(body, DESTROY_ROUTE))
 
 
 @dataclass(frozen=True)
@@ -260,83 +241,6 @@ class Groups:
                             code="bad_token")
 
 
-def server_state(settings) -> Groups:
-    return Groups()
-
-
-async def init(service, body: dict) -> dict:
-    req = InitGroupRequest.from_json(body)
-    address = await allowed_trainer(req.master_address, service.settings.allowed_trainers)
-    status = await service.bridge.worker_status()
-    workers = len(status)
-    if req.rank_offset + workers > req.world_size:
-        raise BadAdapter(f"ranks {req.rank_offset}..{req.rank_offset + workers - 1} of this "
-                         f"server's {workers} worker(s) do not fit world_size "
-                         f"{req.world_size} (rank 0 is the trainer)", code="bad_request")
-    if len(status[0].get("groups", [])) >= service.settings.max_groups:
-        raise TooBusy(f"this server already has {service.settings.max_groups} update groups "
-                      "(or group set-ups still timing out); destroy one first",
-                      code="too_many_groups")
-    t0 = time.perf_counter()
-    try:
-        await service.bridge.call_workers_in_background(
-            "init_group", req.timeout_s + 2, group_name=req.group_name, host=address,
-            port=req.master_port, rank_offset=req.rank_offset, world_size=req.world_size,
-            backend=req.backend, timeout_s=req.timeout_s)
-    except LoRASyncError as e:
-        if e.code != "group_exists":  # a half-made group (some workers joined) goes
-            await asyncio.shield(_destroy_on_workers(service, req.group_name))
-        raise
-    groups = service.transport_state["broadcast"]
-    groups.timeouts[req.group_name] = req.timeout_s
-    groups.tokens[req.group_name] = token = secrets.token_urlsafe(24)
-    return {"group_name": req.group_name, "workers": workers, "group_token": token,
-            "ms": (time.perf_counter() - t0) * 1e3}
-
-
-async def load(service, body: dict) -> dict:
-    t0 = time.perf_counter()
-    req = DistributedLoadRequest.from_json(body)
-    groups = service.transport_state["broadcast"]
-    groups.check_owner(req.group_name, req.group_token)
-    cfg = check_adapter(req.specs, req.config, await service.model_spec())
-    if req.frames_nbytes > service.settings.max_body_bytes:  # what the workers allocate
-        raise PayloadTooLarge(f"the adapter is {req.frames_nbytes} bytes framed, above the "
-                              f"limit of {service.settings.max_body_bytes} "
-                              "(LORA_SYNC_MAX_BODY_MB)")
-    settle_ms = await service.settle()
-    wait_s = groups.timeouts.get(req.group_name, 120.0) + 30
-
-    async def receive(adapter_id):
-        return await service.bridge.call_workers_in_background(
-            "intake", wait_s, transport="broadcast", adapter_id=adapter_id, config=cfg,
-            checksum=req.checksum, group_name=req.group_name,
-            specs=[s.to_json() for s in req.specs], bucket_bytes=req.bucket_bytes,
-            transfer_id=req.transfer_id)
-    try:
-        reply = await service.install(req.lora_name, req.version, cfg, req.nbytes,
-                                      "broadcast", receive, t0)
-    except LoRASyncError as e:
-        if e.code in ("transfer_mismatch", "transfer_failed"):  # the workers dropped it
-            groups.forget(req.group_name)
-        raise
-    reply["timings_ms"]["settle"] = settle_ms
-    return reply
-
-
-async def destroy(service, body: dict) -> dict:
-    group = group_name_of(body)
-    groups = service.transport_state["broadcast"]
-    groups.check_owner(group, group_token_of(body, DESTROY_ROUTE))
-    await _destroy_on_workers(service, group)
-    groups.forget(group)
-    return {"group_name": group, "destroyed": True}
-
-
-async def _destroy_on_workers(service, group: str) -> None:
-    await service.bridge.call_workers("destroy_group", group_name=group)
-
-
 async def allowed_trainer(host: str, allowed: tuple) -> str:
     """The address workers will dial for `host`, if LORA_SYNC_ALLOWED_TRAINERS lets them:
     every address the name resolves to must be allowed (no DNS games)."""
@@ -356,33 +260,155 @@ async def allowed_trainer(host: str, allowed: tuple) -> str:
                         code="trainer_not_allowed")
     return sorted(addresses)[0]
 
-ROUTES = {f"/{INIT_ROUTE}": Route(init), f"/{LOAD_ROUTE}": Route(load),
-          f"/{DESTROY_ROUTE}": Route(destroy)}
 
+class BroadcastTransport(Transport):
+    name = "broadcast"
+    push_path = f"/{LOAD_ROUTE}"
+    per_server = False
 
-# -- worker side ------------------------------------------------------------------------
-def worker_intake(worker, group_name: str, specs: list, bucket_bytes: int,
-                  transfer_id: int) -> Received:
-    """Receives the framed buckets into reused buffers (filling memory that is already
-    mapped is several times cheaper than fresh pages; docs/protocol.md), checking the frames
-    against the declaration before the tensors are used."""
-    pg, device = worker.group(group_name)
-    transfer = collective.Transfer.plan([TensorSpec.from_json(s) for s in specs],
-                                        transfer_id, bucket_bytes)
-    buffers = [worker.take_buffer(torch.uint8, b.frame_bytes, device)
-               for b in transfer.buckets]
-    try:
-        tensors = collective.receive_transfer(pg, transfer, buffers)
-    except collective.FrameMismatch as e:  # the trainer is out of step: the group is too
-        worker.destroy_group(group_name)
-        raise BadAdapter(f"{e}; the group was dropped, create a new one",
-                         code="transfer_mismatch") from e
-    except Exception as e:  # a dead or slow trainer: the group is no longer usable
-        worker.destroy_group(group_name)
-        raise TransferFailed(f"broadcast in group {group_name!r} failed ({e}); the group "
-                             "was dropped, create a new one") from e
-    if device != "cpu":  # copied out: the device buckets are free for the next receive
-        tensors = {k: v.cpu() for k, v in tensors.items()}
-        worker.keep_spares(buffers)
-        buffers = []
-    return Received(tensors, transfer.nbytes, buffers)
+    def routes(self):
+        return {f"/{INIT_ROUTE}": Route(lambda body, limits: InitGroupRequest.from_json(body),
+                                        self.init),
+                self.push_path: Route(lambda body, limits:
+                                      DistributedLoadRequest.from_json(body)),
+                f"/{DESTROY_ROUTE}": Route(lambda body, limits: GroupRef.from_json(body),
+                                           self.destroy)}
+
+    # trainer side
+    def prepare(self, adapter: LoRAAdapter, ctx: SendContext) -> Outgoing:
+        """Checks the adapter against every server (before any collective call), then
+        starts the collective send: it completes once every server's workers receive."""
+        group = ctx.group
+        if group is None:
+            raise RuntimeError("call init_group() before pushing with transport='broadcast'")
+        if group.broken:
+            raise TransferFailed(f"group {group.name!r} failed earlier; destroy it and call "
+                                 "init_group again")
+        specs = adapter.specs()
+        for spec in group.specs:
+            check_adapter(specs, adapter.config, spec)
+        transfer = collective.Transfer.plan(specs, secrets.randbelow(MAX_TRANSFER_ID) + 1,
+                                            group.bucket_bytes)
+        out = Outgoing(group, {
+            "lora_name": ctx.name, "version": ctx.version, "adapter_config": adapter.config,
+            "tensors": [s.to_json() for s in specs], "group_name": group.name,
+            "bucket_bytes": group.bucket_bytes, "transfer_id": transfer.transfer_id,
+            "checksum": adapter.checksum() if ctx.checksum else None})
+
+        def send():
+            try:
+                collective.send_transfer(group.pg, transfer, adapter.tensors,
+                                         group.send_buffers, group.device)
+            except BaseException as e:
+                out.errors.append(e)
+            finally:
+                out.sent.set()
+        threading.Thread(target=send, daemon=True, name="lora-sync-broadcast").start()
+        return out
+
+    def send(self, out: Outgoing, server: Server, ctx: SendContext) -> PushResult:
+        t0 = time.perf_counter()
+        reply, _ = http.call("POST", server.route(LOAD_ROUTE), headers=ctx.headers,
+                             json_body={**out.body, "group_token": out.group.tokens[server.url]},
+                             timeout=out.group.timeout_s + 60)
+        return PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
+                                     ctx.version)
+
+    def finish(self, out: Outgoing, results: list) -> None:
+        if any(not r.ok for r in results):
+            # A server refused or failed after the broadcast started: its peers' receive may
+            # now be out of step, so the group cannot be trusted any more.
+            out.group.broken = True
+            return
+        if not out.sent.wait(out.group.timeout_s) or out.errors:
+            out.group.broken = True
+            raise TransferFailed("broadcast did not complete: "
+                                 f"{out.errors[0] if out.errors else 'timeout'}")
+
+    def send_timeout(self, ctx: SendContext) -> float | None:
+        return ctx.group.timeout_s + 60 if ctx.group is not None else None
+
+    # server side
+    def new_state(self, limits) -> Groups:
+        return Groups()
+
+    async def init(self, req: InitGroupRequest, ctx: ServerContext) -> dict:
+        address = await allowed_trainer(req.master_address, ctx.limits.allowed_trainers)
+        status = await ctx.workers.status()
+        workers = len(status)
+        if req.rank_offset + workers > req.world_size:
+            raise BadAdapter(f"ranks {req.rank_offset}..{req.rank_offset + workers - 1} of "
+                             f"this server's {workers} worker(s) do not fit world_size "
+                             f"{req.world_size} (rank 0 is the trainer)", code="bad_request")
+        if len(status[0].get("groups", [])) >= ctx.limits.max_groups:
+            raise TooBusy(f"this server already has {ctx.limits.max_groups} update groups "
+                          "(or group set-ups still timing out); destroy one first",
+                          code="too_many_groups")
+        t0 = time.perf_counter()
+        try:
+            await ctx.workers.call_in_background(
+                "init_group", req.timeout_s + 2, group_name=req.group_name, host=address,
+                port=req.master_port, rank_offset=req.rank_offset, world_size=req.world_size,
+                backend=req.backend, timeout_s=req.timeout_s)
+        except LoRASyncError as e:
+            if e.code != "group_exists":  # a half-made group (some workers joined) goes
+                await asyncio.shield(ctx.workers.call("destroy_group",
+                                                      group_name=req.group_name))
+            raise
+        ctx.state.timeouts[req.group_name] = req.timeout_s
+        ctx.state.tokens[req.group_name] = token = secrets.token_urlsafe(24)
+        return {"group_name": req.group_name, "workers": workers, "group_token": token,
+                "ms": (time.perf_counter() - t0) * 1e3}
+
+    async def stage(self, req: DistributedLoadRequest, ctx: ServerContext) -> Staged:
+        groups = ctx.state
+        groups.check_owner(req.group_name, req.group_token)
+        if req.frames_nbytes > ctx.limits.max_body_bytes:  # what the workers allocate
+            raise PayloadTooLarge(f"the adapter is {req.frames_nbytes} bytes framed, above "
+                                  f"the limit of {ctx.limits.max_body_bytes} "
+                                  "(LORA_SYNC_MAX_BODY_MB)")
+
+        def forget_dropped(error: LoRASyncError) -> None:
+            if error.code in ("transfer_mismatch", "transfer_failed"):  # workers dropped it
+                groups.forget(req.group_name)
+        return Staged(req.lora_name, req.version, req.config, req.specs, req.nbytes,
+                      req.checksum, {"group_name": req.group_name,
+                                     "specs": [s.to_json() for s in req.specs],
+                                     "bucket_bytes": req.bucket_bytes,
+                                     "transfer_id": req.transfer_id},
+                      background_s=groups.timeouts.get(req.group_name, 120.0) + 30,
+                      on_failure=forget_dropped)
+
+    async def destroy(self, req: GroupRef, ctx: ServerContext) -> dict:
+        ctx.state.check_owner(req.group_name, req.group_token)
+        await ctx.workers.call("destroy_group", group_name=req.group_name)
+        ctx.state.forget(req.group_name)
+        return {"group_name": req.group_name, "destroyed": True}
+
+    # worker side
+    def receive(self, intake, pool) -> Received:
+        """Receives the framed buckets into reused buffers (filling memory that is already
+        mapped is several times cheaper than fresh pages; docs/protocol.md), checking the
+        frames against the declaration before the tensors are used."""
+        group_name = intake.args["group_name"]
+        pg, device = pool.group(group_name)
+        transfer = collective.Transfer.plan(
+            [TensorSpec.from_json(s) for s in intake.args["specs"]],
+            intake.args["transfer_id"], intake.args["bucket_bytes"])
+        buffers = [pool.take_buffer(torch.uint8, b.frame_bytes, device)
+                   for b in transfer.buckets]
+        try:
+            tensors = collective.receive_transfer(pg, transfer, buffers)
+        except collective.FrameMismatch as e:  # the trainer is out of step: the group is too
+            pool.destroy_group(group_name)
+            raise BadAdapter(f"{e}; the group was dropped, create a new one",
+                             code="transfer_mismatch") from e
+        except Exception as e:  # a dead or slow trainer: the group is no longer usable
+            pool.destroy_group(group_name)
+            raise TransferFailed(f"broadcast in group {group_name!r} failed ({e}); the group "
+                                 "was dropped, create a new one") from e
+        if device != "cpu":  # copied out: the device buckets are free for the next receive
+            tensors = {k: v.cpu() for k, v in tensors.items()}
+            pool.keep_spares(buffers)
+            buffers = []
+        return Received(tensors, transfer.nbytes, buffers)

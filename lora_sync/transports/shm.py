@@ -30,8 +30,9 @@ import torch
 from .. import http, replies, wire
 from ..errors import BadAdapter, Conflict, Forbidden, NotFound, TooBusy
 from ..fields import field
-from ..staging import StagedBody, read_header, read_sealed
-from .base import PushResult, Received, Route, Server
+from ..staging import StagedBody
+from .base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
+    Transport, staged_file
 
 LEASE_ROUTE = "lora_sync_lease"
 CANCEL_ROUTE = "lora_sync_lease_cancel"
@@ -124,7 +125,7 @@ class SealedBody:
         self.fd, self.nbytes = fd, nbytes
         self.path = f"/proc/{os.getpid()}/fd/{fd}"
 
-    def close(self, reusable: bool = True) -> None:
+    def close(self) -> None:
         os.close(self.fd)  # the pages go once the workers' mappings do
 
 
@@ -198,7 +199,7 @@ class LeaseTable:
 
     def prepare_spare(self, nbytes: int) -> None:
         """Pre-touches a memfd for the next lease of this size (run it off the push path):
-        fresh pages cost about 1 ms/MB here, pages already in the memfd a tenth of that."""
+        fresh pages cost several times what pages already in the memfd do."""
         with self._spare_lock:
             if self._spare is not None and self._spare[1] == nbytes:
                 return
@@ -311,78 +312,119 @@ class LeaseRefused(TooBusy):
     full): `transport="auto"` sends this push over HTTP instead; the code is the server's."""
 
 
-def push_one(client, server: Server, adapter, name: str, version: int | None,
-             checksum: bool) -> PushResult | None:
-    """Lease, write, commit. Returns None (after cancelling the lease) when the server's
-    memory is not reachable from this process: the caller falls back to HTTP."""
-    parts = wire.layout(adapter.tensors, adapter.metadata(name, version, checksum))
-    t0 = time.perf_counter()
-    call = partial(http.call, "POST", headers=client.headers, timeout=client.timeout)
-    nbytes = total_bytes(parts)
+class ShmTransport(Transport):
+    name = "shm"
+    push_path = f"/{COMMIT_ROUTE}"
+    start_path = f"/{LEASE_ROUTE}"
+
+    def routes(self):
+        def ticket(body, limits):
+            return CommitRequest.from_json(body)
+        return {self.start_path: Route(lambda body, limits: LeaseRequest.from_json(
+                    body, limits.max_body_bytes), self.grant),
+                f"/{CANCEL_ROUTE}": Route(ticket, self.cancel),
+                self.push_path: Route(ticket)}
+
+    # trainer side
+    def prepare(self, adapter, ctx: SendContext) -> list:
+        return wire.layout(adapter.tensors, adapter.metadata(ctx.name, ctx.version,
+                                                              ctx.checksum))
+
+    def send(self, parts: list, server: Server, ctx: SendContext) -> PushResult | None:
+        """Lease, write, commit. None (after cancelling the lease) when the server's memory
+        is not reachable from this process: the caller falls back to HTTP."""
+        t0 = time.perf_counter()
+        call = partial(http.call, "POST", headers=ctx.headers, timeout=ctx.timeout)
+        nbytes = total_bytes(parts)
+        try:
+            granted, _ = call(server.route(LEASE_ROUTE), json_body={"nbytes": nbytes,
+                                                               "client": ctx.client_id})
+        except TooBusy as e:
+            refused = LeaseRefused(e.message, code=e.code, status=e.status)
+            refused.server = e.server
+            raise refused from e
+        lease = Lease.from_json(granted, server.url, nbytes)
+        ticket = {"lease_id": lease.lease_id, "token": lease.token}
+        t1 = time.perf_counter()
+        if not write_lease(lease, parts):
+            call(server.route(CANCEL_ROUTE), json_body=ticket)
+            return None
+        t2 = time.perf_counter()
+        reply, _ = call(server.route(COMMIT_ROUTE), json_body=ticket)
+        result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
+                                       ctx.version)
+        timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
+        timings.update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
+        return result
+
+    # server side
+    def new_state(self, limits) -> LeaseTable:
+        return LeaseTable(limits.lease_ttl_s)
+
+    async def grant(self, req: LeaseRequest, ctx: ServerContext) -> dict:
+        budget = ctx.limits.max_staging_bytes - ctx.staging.inflight
+        return ctx.state.grant(req.nbytes, budget, req.client).to_json()
+
+    async def cancel(self, req: CommitRequest, ctx: ServerContext) -> dict:
+        ctx.state.cancel(req)
+        return {"cancelled": True}
+
+    async def stage(self, req: CommitRequest, ctx: ServerContext) -> Staged:
+        sealed = ctx.state.take(req)
+        t0 = time.perf_counter()
+        try:
+            header = await asyncio.to_thread(read_header, sealed.fd, sealed.nbytes)
+        except BaseException:
+            sealed.close()
+            raise
+        staged = staged_file(StagedBody(sealed.path, sealed.nbytes, header), sealed,
+                             receive=(time.perf_counter() - t0) * 1e3)
+        # The next lease of this size gets pages touched now, off the push path.
+        ctx.in_background(ctx.state.prepare_spare, sealed.nbytes)
+        return staged
+
+    # worker side
+    def receive(self, intake, pool) -> Received:
+        """A sealed body is read into a reused buffer (see `read_sealed` for why not mapped)."""
+        sealed = read_sealed(intake.args["path"],
+                             lambda n: pool.take_buffer(torch.uint8, n, "cpu"))
+        if sealed is None:
+            raise BadAdapter("the committed lease is not sealed", code="bad_lease")
+        header, tensors, buf = sealed
+        return Received(tensors, header.total_bytes - header.data_start, [buf])
+
+
+def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor] | None:
+    """A sealed body (a committed shm lease) is copied, not mapped: a private mapping of it
+    would copy each page the engine writes (it scales lora_B in place) into fresh memory, and
+    fresh pages are the slow part here. One read into `take_buffer(nbytes)`, a reused buffer,
+    costs about as much as a memcpy. Returns None when `path` is not sealed."""
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        if not is_sealed(fd):
+            return None
+        header = read_header(fd, os.fstat(fd).st_size)
+        buf = take_buffer(header.total_bytes - header.data_start)
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < len(view):  # a read may return less than asked
+            n = os.preadv(fd, [view[done:]], header.data_start + done)
+            if n <= 0:
+                raise BadAdapter("the sealed body ended early", code="bad_safetensors")
+            done += n
+    return header, wire.view_tensors(view, header, data_only=True), buf
+
+
+def is_sealed(fd: int) -> bool:
+    """Whether a file is a write-sealed memfd (a committed shm lease): nobody may map it
+    shared and writable any more, so its readers map it private."""
     try:
-        granted, _ = call(server.route(LEASE_ROUTE), json_body={"nbytes": nbytes,
-                                                           "client": client.client_id})
-    except TooBusy as e:
-        refused = LeaseRefused(e.message, code=e.code, status=e.status)
-        refused.server = e.server
-        raise refused from e
-    lease = Lease.from_json(granted, server.url, nbytes)
-    ticket = {"lease_id": lease.lease_id, "token": lease.token}
-    t1 = time.perf_counter()
-    if not write_lease(lease, parts):
-        call(server.route(CANCEL_ROUTE), json_body=ticket)
-        return None
-    t2 = time.perf_counter()
-    reply, _ = call(server.route(COMMIT_ROUTE), json_body=ticket)
-    result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, name, version)
-    timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
-    timings.update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
-    return result
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE)
+    except OSError:  # not a memfd: seals do not apply
+        return False
 
 
-# -- server routes (API process) --------------------------------------------------------
-def server_state(settings) -> LeaseTable:
-    return LeaseTable(settings.lease_ttl_s)
-
-
-async def grant(service, body: dict) -> dict:
-    req = LeaseRequest.from_json(body, service.settings.max_body_bytes)
-    budget = service.settings.max_staging_bytes - service.staging.inflight
-    return service.transport_state["shm"].grant(req.nbytes, budget, req.client).to_json()
-
-
-async def cancel(service, body: dict) -> dict:
-    service.transport_state["shm"].cancel(CommitRequest.from_json(body))
-    return {"cancelled": True}
-
-
-async def commit(service, body: dict) -> dict:
-    leases = service.transport_state["shm"]
-    t0 = time.perf_counter()
-    sealed = leases.take(CommitRequest.from_json(body))
-    settle_ms = await service.settle()
-    t_read = time.perf_counter()
-    try:
-        header = await asyncio.to_thread(read_header, sealed.fd, sealed.nbytes)
-    except BaseException:
-        sealed.close()
-        raise
-    reply = await service.install_file(StagedBody(sealed.path, sealed.nbytes, header), sealed,
-                                       "shm", t0, settle=settle_ms,
-                                       receive=(time.perf_counter() - t_read) * 1e3)
-    # The next lease of this size gets pages touched now, off the push path.
-    service.in_background(leases.prepare_spare, sealed.nbytes)
-    return reply
-
-ROUTES = {f"/{LEASE_ROUTE}": Route(grant), f"/{CANCEL_ROUTE}": Route(cancel),
-          f"/{COMMIT_ROUTE}": Route(commit)}
-
-
-# -- worker side ------------------------------------------------------------------------
-def worker_intake(worker, path: str) -> Received:
-    """A sealed body is read into a reused buffer (see `read_sealed` for why not mapped)."""
-    sealed = read_sealed(path, lambda n: worker.take_buffer(torch.uint8, n, "cpu"))
-    if sealed is None:
-        raise BadAdapter("the committed lease is not sealed", code="bad_lease")
-    header, tensors, buf = sealed
-    return Received(tensors, header.total_bytes - header.data_start, [buf])
+def read_header(fd: int, nbytes: int) -> wire.Header:
+    """Checks the safetensors header of a file of `nbytes` without mapping it."""
+    head = os.pread(fd, 8, 0)
+    return wire.parse_header(os.pread(fd, wire.header_length(head), 0), nbytes)

@@ -1,41 +1,42 @@
 """Tensors over HTTP: the adapter as one safetensors body, streamed from tensor memory into
-a staged file the workers map."""
+a staged file the workers map. Works from any host."""
 from __future__ import annotations
 
 import time
 
 from .. import http
 from ..staging import StagedFile, open_staged
-from .base import PushResult, RawBody, Received, Route, Server
+from .base import PushResult, RawBody, Received, Route, SendContext, Server, ServerContext, \
+    Staged, Transport, staged_file
 
 ROUTE = "load_lora_adapter_from_tensors"
 
 
-# -- trainer side -----------------------------------------------------------------------
-def push_one(client, server: Server, adapter, name: str, version: int | None,
-             checksum: bool) -> PushResult:
-    chunks = adapter.encode(name, version, with_checksum=checksum)
-    t0 = time.perf_counter()
-    body, _ = http.call("POST", server.route(ROUTE), chunks=chunks, timeout=client.timeout,
-                        headers={**client.headers, "Content-Type": "application/octet-stream"})
-    return PushResult.from_reply(server.url, body, time.perf_counter() - t0, name, version)
+class TensorsTransport(Transport):
+    name = "tensors"
+    push_path = f"/{ROUTE}"
 
+    def routes(self):
+        return {self.push_path: Route(stream=True)}
 
-# -- server side (API process) ----------------------------------------------------------
-async def load(service, raw: RawBody) -> dict:
-    t0 = time.perf_counter()
-    settle_ms = await service.settle()
-    t_recv = time.perf_counter()
-    staged = await service.receive_body(raw.chunks, raw.content_length)
-    return await service.install_file(staged, StagedFile(service.staging, staged.path),
-                                      "tensors", t0, settle=settle_ms,
-                                      receive=(time.perf_counter() - t_recv) * 1e3)
+    # trainer side
+    def send(self, adapter, server: Server, ctx: SendContext) -> PushResult:
+        chunks = adapter.encode(ctx.name, ctx.version, with_checksum=ctx.checksum)
+        t0 = time.perf_counter()
+        body, _ = http.call("POST", server.route(ROUTE), chunks=chunks, timeout=ctx.timeout,
+                            headers={**ctx.headers, "Content-Type": "application/octet-stream"})
+        return PushResult.from_reply(server.url, body, time.perf_counter() - t0, ctx.name,
+                                     ctx.version)
 
-ROUTES = {f"/{ROUTE}": Route(load, body="stream")}
+    # server side
+    async def stage(self, raw: RawBody, ctx: ServerContext) -> Staged:
+        t0 = time.perf_counter()
+        body = await ctx.receive_body(raw)
+        return staged_file(body, StagedFile(ctx.staging, body.path),
+                           receive=(time.perf_counter() - t0) * 1e3)
 
-
-# -- worker side ------------------------------------------------------------------------
-def worker_intake(worker, path: str) -> Received:
-    """Views the staged body in place: the tensors share its mapping (see `open_staged`)."""
-    header, tensors = open_staged(path, only_reader=worker.world_size == 1)
-    return Received(tensors, header.total_bytes - header.data_start)
+    # worker side
+    def receive(self, intake, pool) -> Received:
+        """Views the staged body in place: the tensors share its mapping (`open_staged`)."""
+        header, tensors = open_staged(intake.args["path"], only_reader=pool.world_size == 1)
+        return Received(tensors, header.total_bytes - header.data_start)

@@ -13,8 +13,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .adapter import LoRAAdapter
-from .errors import LoRASyncError, error_from_json
+from ..adapter import LoRAAdapter
+from ..errors import LoRASyncError, error_from_json
 
 # The dtypes the wire format carries (wire.DTYPES); strings are what configs/CLIs pass.
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

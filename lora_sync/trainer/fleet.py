@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .adapter import LoRAAdapter
+from ..adapter import LoRAAdapter
 
 
 @dataclass

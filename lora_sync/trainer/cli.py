@@ -20,10 +20,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from . import http, naming
-from .client import TRANSPORT_CHOICES, LoRASyncClient
-from .errors import LoRASyncError
-from .transports.base import Server
+from .. import http, naming
+from ..transports import TRANSPORTS
+from .client import LoRASyncClient
+from ..errors import LoRASyncError
+from ..transports.base import Server
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -84,7 +85,7 @@ class UsageError(Exception):
 def read_adapter(path: str):
     from safetensors import SafetensorError
 
-    from .adapter import LoRAAdapter
+    from ..adapter import LoRAAdapter
     for needed in ("adapter_config.json", "adapter_model.safetensors"):
         if not os.path.isfile(os.path.join(path, needed)):
             raise UsageError(f"{path} is not a PEFT adapter directory (no {needed})")
@@ -201,7 +202,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "push":
             c.add_argument("--version", type=int, help="default: the next after the newest")
             c.add_argument("--transport", default="auto",
-                           choices=[t for t in TRANSPORT_CHOICES if t != "broadcast"])
+                           choices=["auto", *(n for n, t in TRANSPORTS.items() if t.per_server)])
     sub.add_parser("ls", help="versions, alias and requests in flight per name")
     sub.add_parser("info", help="workers, limits and instance id of each server")
     return p

@@ -6,14 +6,15 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from . import http, naming, replies, sharded
-from .adapter import LoRAAdapter
-from .collective import free_port
-from .errors import LoRASyncError, PushFailed, TooBusy
+from .. import http, naming, replies
+from . import sharded
+from ..adapter import LoRAAdapter
+from ..collective import free_port
+from ..errors import LoRASyncError, PushFailed, TooBusy
 from .fleet import FleetMemory
-from .transports import PER_SERVER, TRANSPORTS, broadcast
-from .transports.base import PushResult, Server
-from .transports.shm import LeaseRefused
+from ..transports import TRANSPORTS, broadcast
+from ..transports.base import PushResult, SendContext, Server, Transport
+from ..transports.shm import LeaseRefused
 
 # The engines' own routes for adapters on disk (the baseline lora-sync replaces).
 NATIVE_ROUTES = {"vllm": {"load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter"},
@@ -124,7 +125,7 @@ class LoRASyncClient:
             version = self.memory.next_version(
                 name, lambda n: self.newest_versions(n, deadline=deadline))
         results = self._send(adapter, name, version, transport, checksum, deadline)
-        if chosen and transport != "broadcast" \
+        if chosen and (transport == "auto" or TRANSPORTS[transport].per_server) \
                 and any(r.error.code == "version_conflict" for r in results if not r.ok):
             # A server holds a newer version (another client or the CLI pushed): number
             # above the servers' newest and push once more, to every server alike.
@@ -142,39 +143,51 @@ class LoRASyncClient:
         return results
 
     def _send(self, adapter: LoRAAdapter, name, version, transport, checksum, deadline):
-        if transport == "broadcast":
-            if self._group is None:
-                raise RuntimeError("call init_group() before pushing with transport='broadcast'")
-            return broadcast.broadcast(self, self._group, adapter, name, version, checksum)
+        """One push to every server: the transport prepares it once, the client sends it to
+        each server at once (a stale server first gets what it lost), the transport
+        finishes it."""
+        ctx = SendContext(name, version, checksum, self.headers, self.timeout, self.client_id,
+                          self._group)
+        sender = TRANSPORTS.get(transport)  # None: "auto", chosen per server
+        outgoing = sender.prepare(adapter, ctx) if sender else None
+        needs = sender.send_timeout(ctx) if sender else None
+        if needs is not None:
+            deadline = max(deadline, time.monotonic() + needs)
 
         def push_one(server: Server) -> PushResult:
-            if server.url in self.memory.stale:  # first what it lost (restart, failure)
+            if server.url in self.memory.stale:
                 self._resync_one(server)
-            return self._push_one(server, adapter, name, version, transport, checksum)
-        return self._each_server(push_one, version, deadline)
+            if sender is None:
+                return self._push_auto(server, adapter, ctx)
+            return self._push_with(sender, outgoing, server, ctx)
+        results = self._each_server(push_one, version, deadline)
+        if sender is not None:
+            sender.finish(outgoing, results)
+        return results
 
-    def _push_one(self, server: Server, adapter, name, version, transport, checksum):
-        if transport == "auto":  # shm until a lease is out of reach, then HTTP for good
-            if self._same_host.get(server.url, True):
-                try:
-                    result = PER_SERVER["shm"](self, server, adapter, name, version, checksum)
-                    self._same_host[server.url] = result is not None
-                except LeaseRefused:  # no room for a lease now: this push goes over HTTP
-                    result = None
-                if result is not None:
-                    return result
-            transport = "tensors"
-        result = PER_SERVER[transport](self, server, adapter, name, version, checksum)
+    def _push_auto(self, server: Server, adapter, ctx: SendContext) -> PushResult:
+        """Shared memory until a lease is out of reach from here, then HTTP for good; a
+        lease refused for want of room sends this push over HTTP."""
+        if self._same_host.get(server.url, True):
+            shm = TRANSPORTS["shm"]
+            try:
+                result = shm.send(shm.prepare(adapter, ctx), server, ctx)
+                self._same_host[server.url] = result is not None
+            except LeaseRefused:
+                result = None
+            if result is not None:
+                return result
+        return self._push_with(TRANSPORTS["tensors"], adapter, server, ctx)
+
+    @staticmethod
+    def _push_with(transport: Transport, outgoing, server: Server,
+                   ctx: SendContext) -> PushResult:
+        result = transport.send(outgoing, server, ctx)
         if result is None:
-            raise LoRASyncError(f"{server.url} cannot be reached through shared memory from "
+            raise LoRASyncError(f"{server.url} cannot be reached through {transport.name} from "
                                 "this process (another host or PID namespace); use "
                                 "transport='tensors'", code="shm_unreachable", status=400)
         return result
-
-    def push_tensors(self, adapter, name: str, version: int | None = None,
-                     checksum: bool = False) -> list[PushResult]:
-        """Sends the adapter as one safetensors body to every server (concurrently)."""
-        return self.push(adapter, name, version, "tensors", checksum)
 
     def _each_server(self, push_one, version: int, deadline: float) -> list[PushResult]:
         """Runs `push_one(server)` on every server at once; a failure becomes that server's
@@ -225,7 +238,8 @@ class LoRASyncClient:
             if newest.adapter is None or newest.version in have \
                     or max(have, default=0) > newest.version:
                 continue
-            self._push_one(server, newest.adapter, name, newest.version, "auto", False)
+            self._push_auto(server, newest.adapter, SendContext(
+                name, newest.version, False, self.headers, self.timeout, self.client_id))
             pushed.append(naming.versioned(name, newest.version))
         self.memory.stale.discard(server.url)
         return pushed
@@ -270,7 +284,8 @@ class LoRASyncClient:
                    backend: str = "gloo", group_name: str = "default",
                    timeout_s: float = 120.0, **kw):
         """Joins every worker of every server into a group with this process as rank 0."""
-        self._group = broadcast.init_group(self, master_address, master_port or free_port(),
+        self._group = broadcast.init_group(self.servers, self.headers, self.info(),
+                                           master_address, master_port or free_port(),
                                            backend, group_name, timeout_s, **kw)
         return self._group
 
@@ -284,7 +299,7 @@ class LoRASyncClient:
     def destroy_group(self) -> None:
         group, self._group = self._group, None
         if group is not None:
-            broadcast.destroy_group(self, group)
+            broadcast.destroy_group(self.servers, self.headers, group, self.timeout)
 
     # -- disk (the engines' own route; the baseline) -----------------------------------
     def load_from_disk(self, path: str, served_name: str) -> list[float]:
