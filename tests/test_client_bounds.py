@@ -374,3 +374,18 @@ def test_bad_server_urls_are_refused_when_the_client_is_made():
     with pytest.raises(ValueError):
         Server("http://127.0.0.1:8000", "triton")
     assert Server("http://127.0.0.1:8000/", "sglang").route("x") == "http://127.0.0.1:8000/x"
+
+
+def test_a_server_refusing_to_join_a_group_fails_init_at_once():
+    """The trainer does not wait out the rendezvous (here 60 s) for workers whose server
+    already said no: the server's own error comes back at once."""
+    def refuse(req):
+        req.reply(409, {"error": {"code": "group_exists", "status": 409,
+                                  "message": "group 'default' already exists"}})
+    with FakeLoRASync(routes={"init_lora_update_group": refuse}) as fake, \
+            LoRASyncClient(fake.url, timeout=90) as client:
+        t0 = time.monotonic()
+        with pytest.raises(LoRASyncError) as e:
+            client.init_group(timeout_s=60)
+        assert e.value.code == "group_exists" and time.monotonic() - t0 < 30
+        assert client._group is None

@@ -42,19 +42,21 @@ class WorkerEngine(ABC):
 
 
 class LoRASyncWorker:
-    OPS = ("info", "intake", "register", "free", "init_group", "destroy_group")
-
     def __init__(self, engine: WorkerEngine):
         self.engine = engine
         self.state = WorkerState()
         self._background_locks: dict[str, threading.Lock] = {}
+        self.ops = {"info": self.info, "intake": self.intake, "register": self.register,
+                    "free": self.free, "init_group": self.init_group,
+                    "destroy_group": self.destroy_group}
 
     def call(self, op: str, args: dict) -> dict:
         """Runs one op; its WorkerReply as a plain dict (what the engine's RPC carries)."""
-        if op not in self.OPS or not isinstance(args, dict):
+        fn = self.ops.get(op)
+        if fn is None or not isinstance(args, dict):
             return WorkerReply.failed(BadAdapter(f"unknown lora-sync worker operation {op!r}",
                                                  code="bad_request")).to_json()
-        return WorkerReply.run(getattr(self, op), **args).to_json()
+        return WorkerReply.run(fn, **args).to_json()
 
     # -- ops ------------------------------------------------------------------------------
     def info(self) -> dict:

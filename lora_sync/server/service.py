@@ -283,7 +283,7 @@ class AdapterService:
 
     async def _receive_body(self, raw: RawBody) -> StagedBody:
         """Streams an upload into staging; uploads and open shm leases share one budget."""
-        held = sum(getattr(c.state, "held_bytes", 0) for c in self.contexts.values())
+        held = sum(t.held_bytes(self.contexts[n].state) for n, t in TRANSPORTS.items())
         return await self.staging.receive_body(raw.chunks, self.settings.body_limits,
                                                raw.content_length, held_elsewhere=held)
 
@@ -412,8 +412,8 @@ class AdapterService:
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
                 "max_names": self.settings.max_names,
-                **{k: v for c in self.contexts.values() if hasattr(c.state, "info")
-                   for k, v in c.state.info().items()}}
+                **{k: v for n, t in TRANSPORTS.items()
+                   for k, v in t.info(self.contexts[n].state).items()}}
 
     def list_adapters(self) -> dict:
         """Per name: its servable versions (and retired ones requests still run on), the

@@ -213,6 +213,14 @@ class Transport(ABC):
         """What this transport keeps between requests in one API process."""
         return None
 
+    def held_bytes(self, state) -> int:
+        """Server memory `state` holds for pushes not yet made (one budget with uploads)."""
+        return 0
+
+    def info(self, state) -> dict:
+        """What lora_sync_info says about `state`."""
+        return {}
+
     @abstractmethod
     async def stage(self, request, ctx: ServerContext) -> Staged:
         """Takes a push request as far as the API process goes."""

@@ -22,7 +22,7 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -73,15 +73,22 @@ def init_group(servers: list, headers: dict, infos: list, master_address: str,
     bodies = [{"master_address": master_address, "master_port": master_port,
                "rank_offset": off, "world_size": world, "backend": backend,
                "group_name": group_name, "timeout_s": timeout_s} for off in offsets]
-    pool = ThreadPoolExecutor(len(servers) + 1)
+    forming: Future = Future()
+
+    def rendezvous():  # a daemon thread: a refused group must not hold the trainer's exit
+        try:
+            forming.set_result(collective.create_group(master_address, master_port, 0, world,
+                                                       backend, timeout_s))
+        except BaseException as e:
+            forming.set_exception(e)
+    pool = ThreadPoolExecutor(len(servers))
     try:
         joins = [pool.submit(http.call, "POST", s.route(INIT_ROUTE), json_body=b,
                              headers=headers, timeout=timeout_s + 30)
                  for s, b in zip(servers, bodies)]
-        forming = pool.submit(collective.create_group, master_address, master_port, 0, world,
-                              backend, timeout_s)
+        threading.Thread(target=rendezvous, daemon=True, name="lora-sync-rendezvous").start()
         # A refusal is final: waiting out the rendezvous for its workers would only delay
-        # the error (the rendezvous then times out on its own thread).
+        # the error (the rendezvous, and the other servers' joins, then time out alone).
         done, _ = wait([forming, *joins], return_when=FIRST_EXCEPTION)
         for f in joins:
             if f in done and f.exception() is not None:

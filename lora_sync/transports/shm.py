@@ -144,9 +144,6 @@ class LeaseTable:
         """Staging memory the open leases hold (shared with HTTP uploads' budget)."""
         return sum(p.nbytes for p in self.pending.values())
 
-    def info(self) -> dict:
-        return {"open_leases": len(self.pending)}
-
     @property
     def max_per_client(self) -> int:
         """One client may hold half the leases: it cannot take them all from the others."""
@@ -360,6 +357,12 @@ class ShmTransport(Transport):
     # server side
     def new_state(self, limits) -> LeaseTable:
         return LeaseTable(limits.lease_ttl_s)
+
+    def held_bytes(self, state: LeaseTable) -> int:
+        return state.held_bytes
+
+    def info(self, state: LeaseTable) -> dict:
+        return {"open_leases": len(state.pending)}
 
     async def grant(self, req: LeaseRequest, ctx: ServerContext) -> dict:
         budget = ctx.limits.max_staging_bytes - ctx.staging.inflight
