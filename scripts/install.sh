@@ -9,6 +9,13 @@ export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 
+SGLANG_LOG="$(mktemp -t lora-sync-install-sglang.XXXXXX)"
+if [ "${LORA_SYNC_NO_SGLANG:-0}" != "1" ]; then
+  # The two environments are independent: SGLang's is built beside vLLM's (CI time).
+  bash scripts/install_sglang.sh >"$SGLANG_LOG" 2>&1 &
+  SGLANG_PID=$!
+fi
+
 if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
 V=.venv/bin/python
 if ! $V -c "import vllm, peft" 2>/dev/null; then
@@ -20,8 +27,15 @@ if ! $V -c "import vllm, peft" 2>/dev/null; then
   $V -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 fi
 $V -m pip install -q -e ".[test]" "torch==2.13.0"
-if [ "${LORA_SYNC_NO_SGLANG:-0}" != "1" ]; then
-  bash scripts/install_sglang.sh
+if [ -n "${SGLANG_PID:-}" ]; then
+  sglang_rc=0
+  wait "$SGLANG_PID" || sglang_rc=$?
+  cat "$SGLANG_LOG"
+  rm -f "$SGLANG_LOG"
+  if [ "$sglang_rc" != 0 ]; then
+    echo "scripts/install_sglang.sh failed (exit $sglang_rc)" >&2
+    exit "$sglang_rc"
+  fi
   # Registers our `sglang.srt.plugins` entry point in the SGLang env.
   .venv-sglang/bin/python -m pip install -q --no-deps -e .
 fi

@@ -18,8 +18,12 @@ def loop(server, model_dir, workdir, transport, name, steps):
     return run(cfg)
 
 
-@pytest.mark.parametrize("transport", ["tensors", "shm", "broadcast"])
-def test_reward_rises_when_lora_is_synced(server, model_dir, workdir, transport):
+# Each transport on at least one engine; every transport's token identity with the disk
+# load is checked on both engines by test_tensors/test_shm/test_broadcast.
+@pytest.mark.parametrize("engine,transport", [("vllm", "shm"), ("vllm", "broadcast"),
+                                              ("sglang", "tensors")])
+def test_reward_rises_when_lora_is_synced(request, model_dir, workdir, engine, transport):
+    server = request.getfixturevalue(engine)
     log = loop(server, model_dir, workdir, transport, f"rl-{transport}", steps=24)
     first, last = summary(log, k=3)
     mismatch = max(s["logprob_mismatch"] for s in log["steps"])
@@ -33,7 +37,8 @@ def test_reward_rises_when_lora_is_synced(server, model_dir, workdir, transport)
     assert (workdir / "rl" / server.engine / f"reward_{transport}.png").stat().st_size > 0
 
 
-def test_reward_flat_without_sync(server, model_dir, workdir):
+def test_reward_flat_without_sync(vllm, model_dir, workdir):
+    server = vllm
     log = loop(server, model_dir, workdir, "none", "rl-none", steps=12)
     first, last = summary(log, k=3)
     print(f"\n{server.engine} no sync: reward first 3 steps {first:.3f}, last 3 steps {last:.3f}")
