@@ -131,10 +131,16 @@ class Listing:
                    tuple(names), body)
 
     def versions_by_name(self) -> dict[str, set[int]]:
-        """Servable versions per name (draining ones included while requests run on them)."""
+        """Versions per name the server still holds: servable, and draining (a new version
+        must be numbered above those too)."""
         out: dict[str, set[int]] = {}
         for entry in self.adapters:
-            out.setdefault(entry.name, set()).update(v.version for v in entry.versions)
+            held = out.setdefault(entry.name, set())
+            held.update(v.version for v in entry.versions)
+            for served in entry.draining:
+                base, version = naming.split_versioned(served)
+                if base == entry.name and version is not None:
+                    held.add(version)
         return out
 
 

@@ -1,8 +1,14 @@
 """Session-scoped fixtures: one tiny local model and real servers on 127.0.0.1 (vLLM CPU and
-SGLang CPU, one each, shared by the whole session)."""
+SGLang CPU, one each, shared by the whole session), plus lora-sync on a FAKE engine in this
+process (fake_server, fake_client, make_fake_server: tests/engine_fakes.py).
+
+Every test that needs a real server process is marked `server` at collection (see
+pytest_collection_modifyitems): `pytest -m "not server"` runs only the in-process tests."""
 from __future__ import annotations
 
+import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -102,3 +108,93 @@ def client(server):
     with LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key) as c:
         yield c
     assert server.alive(), f"the {server.engine} server died during the test:\n" + server.log_tail()
+
+
+# -- in-process servers on a FAKE engine (tests/engine_fakes.py) ---------------------------
+@pytest.fixture(scope="session")
+def fake_server():
+    """lora-sync's whole server stack in this process, on a fake engine (no model, no text
+    generation: see tests/engine_fakes.py), with the real test servers' settings."""
+    from .engine_fakes import FakeEngineServer
+    with FakeEngineServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def fake_client(fake_server):
+    from lora_sync import LoRASyncClient
+    with LoRASyncClient(fake_server.url, engine=fake_server.engine,
+                        api_key=fake_server.api_key) as c:
+        yield c
+
+
+@pytest.fixture
+def make_fake_server():
+    """make_fake_server(workers=1, engine_keys=(), **settings) -> a started FakeEngineServer
+    of this test's own (stopped after it), e.g. make_fake_server(max_names=3)."""
+    from .engine_fakes import FakeEngineServer
+    started = []
+
+    def make(**kw):
+        server = FakeEngineServer(**kw).start()
+        started.append(server)
+        return server
+    yield make
+    for server in started:
+        server.stop()
+    for server in started:  # what a real engine would have crashed on (engine_fakes.py)
+        assert not server.bridge.violations, server.bridge.violations
+
+
+# -- which tests need a real server: marker `server` (pytest -m "not server" skips them) ---
+# Fixtures that are, or start, real vLLM/SGLang servers.
+REAL_SERVER_FIXTURES = {"vllm", "sglang", "server", "client", "vllm_second", "vllm_tp2",
+                        "dp_server", "crashable"}
+# Modules whose tests start servers, torchrun jobs or network namespaces in their bodies.
+REAL_SERVER_MODULES = {"test_benchmark", "test_cli", "test_data_parallel", "test_fleet",
+                       "test_multihost", "test_netns", "test_rl_loop", "test_sharded",
+                       "test_sharded_push"}
+# A test or fixture whose source calls one of these starts a server (or torchrun) itself.
+SERVER_CALLS = re.compile(r"(?<!\w)(vllm_server|sglang_server|_vllm|torchrun|HostNet)\(")
+
+
+@functools.lru_cache(maxsize=None)
+def _source(fn) -> str:
+    import inspect
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _source_has(fn, text: str) -> bool:
+    return text in _source(fn)
+
+
+def _starts_servers(fn) -> bool:
+    return SERVER_CALLS.search(_source(fn)) is not None
+
+
+def _needs_real_server(item) -> bool:
+    module = getattr(item, "module", None)
+    if module is not None and module.__name__.rsplit(".", 1)[-1] in REAL_SERVER_MODULES:
+        return True
+    names = set(getattr(item, "fixturenames", ()))
+    if names & REAL_SERVER_FIXTURES:
+        return True
+    fn = getattr(item, "function", None)
+    if _starts_servers(fn):
+        return True
+    # A test that takes a server by name (request.getfixturevalue(param)).
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if {str(v) for v in params.values()} & REAL_SERVER_FIXTURES \
+            and _source_has(fn, "getfixturevalue("):
+        return True
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(_starts_servers(d.func) for name in names for d in defs.get(name, ()))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _needs_real_server(item):
+            item.add_marker(pytest.mark.server)

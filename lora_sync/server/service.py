@@ -245,7 +245,8 @@ class AdapterService:
         name = staged.name
         t_in = time.perf_counter()
         async with self._locks.setdefault(name, asyncio.Lock()):
-            if name not in self._names() and len(self._names()) >= self.settings.max_names:
+            live = self.book.names()  # a retired name stops counting at once, drained or not
+            if name not in live and len(live) >= self.settings.max_names:
                 raise TooBusy(f"this server already holds {self.settings.max_names} adapter "
                               "names (LORA_SYNC_MAX_NAMES); retire one with "
                               "retire_lora_adapter first", code="too_many_names")
@@ -360,8 +361,14 @@ class AdapterService:
             await asyncio.sleep(DRAIN_POLL_S)
         self.records.pop(rec.served_name, None)
         metrics.state_changed()  # the version's series go
-        if rec.name not in self._names():
-            self.book.floors.pop(rec.name, None)  # numbering may start again at 1
+        if rec.name not in self.book.names():
+            # A retired name's numbering stays above its versions still present only: once
+            # they are all gone it may start again at 1.
+            present = [r.version for r in self.records.values() if r.name == rec.name]
+            if present:
+                self.book.floors[rec.name] = max(present)
+            else:
+                self.book.floors.pop(rec.name, None)
         task = asyncio.current_task()
         self._freeing.add(task)
         try:
