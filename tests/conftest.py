@@ -97,8 +97,11 @@ def vllm(model_dir):
 
 @pytest.fixture(scope="session")
 def vllm_second(model_dir):
-    """A second vLLM server, for one group across two servers."""
-    with _vllm(model_dir) as server:
+    """A second vLLM server with the session's settings: one group across two servers, and
+    the fleet's server that test_fleet.py kills and starts again."""
+    server = _vllm(model_dir, env=SERVER_ENV)
+    server.api_key = API_KEY
+    with server:
         yield server
 
 

@@ -44,7 +44,7 @@ def greedy(url: str, model: str) -> str:
         return c.complete("the quick brown", model, 12)["text"]
 
 
-def broadcast_times(urls, addr, a, name, n=5) -> list[float]:
+def broadcast_times(urls, addr, a, name, n=3) -> list[float]:
     with LoRASyncClient(urls, api_key=API_KEY, timeout=60) as c:
         c.init_group(master_address=addr, timeout_s=30)
         times = []

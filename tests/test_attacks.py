@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from lora_sync import LoRASyncClient, NotFound, http, wire
+from lora_sync import LoRASyncClient, http
 
-from .helpers import AUTH, PROMPT, body_of, greedy, post_body, versions_of
+from .helpers import AUTH, PROMPT, greedy, post_body, versions_of
 
 KEEP = 3  # the session servers' LORA_SYNC_KEEP_VERSIONS
 
@@ -96,8 +96,9 @@ def shapes(engine: str, name: str, url: str):
     ]
 
 
-# Rules that are lora-sync's own (fields, limits, names, groups): the fake engine checks
-# them in-process (test_service.py); here one real engine proves them end to end.
+# lora-sync's own rules (fields, limits, names, groups) are checked with the fake engine in
+# test_service.py. These two involve the engine's own HTTP server and worker threads: one
+# real engine proves them.
 ONE_ENGINE = pytest.mark.parametrize("server", ["vllm"], indirect=True)
 
 
@@ -148,17 +149,6 @@ def test_bodies_admission_cannot_read_are_refused(client, server):
     assert server.alive()
 
 
-@ONE_ENGINE
-def test_deep_and_duplicate_json_is_a_400(client, server):
-    """Review item 9: a 100,000-level body got a 500 from admission."""
-    deep = b'{"model": "base", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    dup = b'{"model": "base", "model": "x", "prompt": "a"}'
-    for body in (deep, dup):
-        status, reply = post_body(f"{server.url}/v1/completions", body, "application/json")
-        assert status == 400, reply
-    assert server.alive()
-
-
 def _native(engine):
     if engine == "vllm":
         return [("POST", "/v1/load_lora_adapter", {"lora_name": "{v}", "lora_path": "/etc"}),
@@ -190,37 +180,6 @@ def test_native_adapter_routes_never_touch_our_names(client, server, make_adapte
     assert server.alive()
 
 
-@pytest.mark.parametrize("case,config", [
-    ("alpha NaN", '{"r": 8, "lora_alpha": NaN, "target_modules": "all-linear"}'),
-    ("alpha Infinity", '{"r": 8, "lora_alpha": Infinity, "target_modules": "all-linear"}'),
-    ("alpha 1e38", '{"r": 8, "lora_alpha": 1e38, "target_modules": "all-linear"}'),
-    ("alpha string", '{"r": 8, "lora_alpha": "16", "target_modules": "all-linear"}'),
-    ("r 8.5", '{"r": 8.5, "lora_alpha": 16, "target_modules": "all-linear"}'),
-    ("r string", '{"r": "8", "lora_alpha": 16, "target_modules": "all-linear"}'),
-    ("r 1e400", '{"r": 1e400, "lora_alpha": 16, "target_modules": "all-linear"}'),
-    ("r true", '{"r": true, "lora_alpha": 16, "target_modules": "all-linear"}'),
-    ("dropout NaN", '{"r": 8, "lora_alpha": 16, "lora_dropout": NaN, "target_modules": "all-linear"}'),
-    ("bias all", '{"r": 8, "lora_alpha": 16, "bias": "all", "target_modules": "all-linear"}'),
-    ("rank_pattern", '{"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 4}, '
-                     '"target_modules": "all-linear"}'),
-    ("deep config", '{"r": 8, "lora_alpha": 16, "x": ' + "[" * 5000 + "]" * 5000 + "}"),
-])
-@ONE_ENGINE
-def test_config_poisoning_is_refused(client, server, make_adapter, case, config):
-    """Review items 2 and 19: finite weights with lora_alpha NaN/Inf/1e38 were accepted and
-    turned other adapters' and the base model's output to garbage."""
-    name = f"tenant-{server.engine}"
-    if not versions_of(client, name):
-        client.push(make_adapter(seed=621), name, transport="tensors")
-    before = (greedy(client, name), greedy(client, "base"))
-    body = body_of(make_adapter(seed=622), name="poison", config=config)
-    status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"), body)
-    assert 400 <= status < 500, (case, status, reply)
-    assert (greedy(client, name), greedy(client, "base")) == before, case
-    assert not versions_of(client, "poison")
-    assert server.alive()
-
-
 def _rank_mismatch_bodies(adapter):
     t = adapter.tensors
     zero = {k: (v[:0] if "lora_A" in k else v[:, :0]) for k, v in t.items()}
@@ -228,46 +187,6 @@ def _rank_mismatch_bodies(adapter):
     doubled = {**t, **{k.replace("base_model.model.", ""): v + 1 for k, v in t.items()}}
     return [("rank-0 tensors with r=8", zero), ("rank-4 tensors with r=8", half),
             ("every module twice under two names", doubled)]
-
-
-@ONE_ENGINE
-def test_tensors_must_match_r_and_name_each_module_once(client, server, make_adapter):
-    """Review items 2, 10 and 16: rank-0 tensors with r=8 killed SGLang at the first request;
-    a body holding every module twice was accepted with half of it ignored."""
-    name = f"shape-{server.engine}"
-    client.push(make_adapter(seed=631), name, transport="tensors")
-    before = greedy(client, name)
-    adapter = make_adapter(seed=632)
-    for case, tensors in _rank_mismatch_bodies(adapter):
-        status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
-                                  body_of(adapter, name=name, tensors=tensors))
-        assert status == 400, (case, status, reply)
-        assert greedy(client, name) == before, case
-    assert versions_of(client, name) == [1] and server.alive()
-
-
-@ONE_ENGINE
-@pytest.mark.parametrize("name", ["nl\n", "a" * 128 + "\n", "ünï", "a" * 129, ""])
-def test_names_are_ascii_and_whole(client, make_adapter, name):
-    """Review item 7: 'nl\\n' was accepted; requests on it then lost their connection."""
-    status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
-                              body_of(make_adapter(seed=641), name=name))
-    assert status == 400 and reply["error"]["code"] == "bad_name", reply
-
-
-@ONE_ENGINE
-@pytest.mark.parametrize("version", ["1_0", "\u0663", " 7 ", "+4", "9" * 4300, "0",
-                                     str(2 ** 63), "-1", "1e3"])
-def test_versions_are_ascii_digits_below_2_63(client, make_adapter, version):
-    """Review item 8: '1_0' became 10; a 4,300-digit version leaked its reservation and every
-    later push of the name failed with a 500."""
-    name = f"ver-{client.servers[0].engine}"
-    meta = make_adapter(seed=651).metadata(name)
-    meta["version"] = version
-    status, reply = post_body(client.servers[0].route("load_lora_adapter_from_tensors"),
-                              wire.encode_bytes(make_adapter(seed=651).tensors, meta))
-    assert status == 400 and reply["error"]["code"] == "bad_version", reply
-    assert client.push(make_adapter(seed=652), name, transport="tensors")[0].version >= 1
 
 
 BAD_GROUP_FIELDS = [
@@ -285,18 +204,6 @@ BAD_GROUP_FIELDS = [
     ("load_lora_adapter_from_distributed", {"version": 1.5}),
     ("load_lora_adapter_from_distributed", {"checksum": 7}),
 ]
-
-
-@ONE_ENGINE
-def test_group_fields_are_type_and_range_checked(client, server):
-    """Review item 9: these fields gave 500s."""
-    good = {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1,
-            "world_size": 2, "lora_name": "grp", "tensors": [], "adapter_config": {"r": 8}}
-    for route, bad in BAD_GROUP_FIELDS:
-        status, reply, _ = http.request("POST", client.servers[0].route(route),
-                                        json_body={**good, **bad}, headers=AUTH)
-        assert 400 <= status < 500, (route, bad, status, reply)
-    assert server.alive()
 
 
 def _blackhole():
@@ -349,21 +256,6 @@ def test_rendezvous_blackhole_neither_blocks_generation_nor_outlives_its_timeout
     assert greedy(client, res.name) == greedy(client, f"after-hole-{server.engine}")
 
 
-@ONE_ENGINE
-def test_trainer_address_must_be_allowed(client, server):
-    """Review item 3: workers dialled whatever master_address the body named."""
-    for host in ("10.11.12.13", "192.0.2.1", "not-a-host.invalid"):
-        status, reply, _ = http.request(
-            "POST", client.servers[0].route("init_lora_update_group"), headers=AUTH,
-            json_body={"master_address": host, "master_port": 29500, "rank_offset": 1,
-                       "world_size": 2, "timeout_s": 2})
-        assert status in (400, 403), (host, status, reply)
-        if status == 403:
-            assert reply["error"]["code"] == "trainer_not_allowed"
-            assert "LORA_SYNC_ALLOWED_TRAINERS" in reply["error"]["message"]
-    assert server.alive()
-
-
 def _stalled_upload(url: str, announced: int, sent: int) -> socket.socket:
     """Starts an authorised upload that announces `announced` bytes, sends `sent`, stalls."""
     host, port = url.split("//")[1].split("/")[0].split(":")
@@ -404,51 +296,6 @@ def test_slow_uploads_are_bounded(client, server, make_adapter):
     finally:
         first.close()
     assert client.push(make_adapter(seed=671), f"slow-{server.engine}", transport="tensors")[0].version == 1
-
-
-@ONE_ENGINE
-def test_header_bomb_is_refused_cheaply(client, server):
-    """Review item 11: a 48 MB header of empty lists took 7 s to refuse and stalled /health."""
-    route = client.servers[0].route("load_lora_adapter_from_tensors")
-    huge = (9 * 2 ** 20).to_bytes(8, "little") + b"{" * 64
-    status, reply = post_body(route, huge)
-    assert status == 400 and "header length" in reply["error"]["message"], reply
-    lists = b'{"a":[' + b"[]," * 1_200_000 + b"[]]}"
-    lists += b" " * (-len(lists) % 8)
-    status, reply = post_body(route, len(lists).to_bytes(8, "little") + lists)
-    assert status == 400, reply
-    assert server.alive()
-
-
-@ONE_ENGINE
-def test_names_are_capped_and_can_be_retired(client, server, make_adapter):
-    """Review item 13: 400 distinct names were all accepted and no route removed one."""
-    cap = client.info()[0]["max_names"]
-    adapter = make_adapter(seed=681)
-    made, refused = [], None
-    for i in range(cap + 1):
-        try:
-            client.push(adapter, f"cap{i}-{server.engine}", transport="tensors")
-            made.append(f"cap{i}-{server.engine}")
-        except Exception as e:  # noqa: BLE001
-            refused = e
-            break
-    try:
-        assert refused is not None and getattr(refused, "code", "") == "too_many_names", refused
-        held = {a["name"] for a in client.adapters()[0]["adapters"] if a["versions"]}
-        assert len(held) <= cap
-        out = client.retire(made[0])[0]
-        assert out["retired"] == [1]
-        try:  # vLLM: unknown model (404); SGLang serves unknown names as the base model
-            assert client.complete(PROMPT, made[0], 2)["version"] is None
-        except NotFound:
-            pass
-        client.push(adapter, f"cap-new-{server.engine}", transport="tensors")
-        made.append(f"cap-new-{server.engine}")
-    finally:
-        for n in made[1:]:
-            client.retire(n)
-    assert server.alive()
 
 
 def test_key_schemes_on_vllm(model_dir, make_adapter):

@@ -1,5 +1,4 @@
 """The broadcast transport (gloo here; the same code path takes nccl) on real servers."""
-import os
 import signal
 import subprocess
 import sys
@@ -8,7 +7,6 @@ import time
 import pytest
 
 from lora_sync import BadAdapter, LoRASyncClient, Server, http
-from lora_sync.collective import free_port
 
 from .helpers import AUTH, disk_model, greedy
 
@@ -41,7 +39,6 @@ def test_ten_versions_in_one_group_follow_the_weights(client, make_adapter):
 
 def test_two_servers_one_group(vllm, vllm_second, make_adapter):
     adapter = make_adapter(seed=71)
-    # The second server has no API key: the client's key is simply not checked there.
     with LoRASyncClient([vllm.url, vllm_second.url], api_key=vllm.api_key) as c:
         group = c.init_group()
         assert group.world_size == 3  # trainer + one worker per server

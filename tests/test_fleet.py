@@ -2,8 +2,8 @@
 started again gets the newest versions back, a dead server fails only its own part of a push,
 a restarted trainer continues the numbering, and the RL loop rides out a crash mid-run.
 
-One extra vLLM server (`crashable`, module scope) is killed and restarted on the same port;
-the session's shared server is the healthy peer."""
+The session's second vLLM server (`crashable` here) is killed and restarted on the same
+port; the session's shared server is the healthy peer."""
 from __future__ import annotations
 
 import os
@@ -16,16 +16,13 @@ import pytest
 from lora_sync import LoRASyncClient
 from lora_sync.errors import PushFailed
 
-from .conftest import API_KEY, SERVER_ENV, _vllm
+from .conftest import API_KEY
 from .helpers import greedy
 
 
-@pytest.fixture(scope="module")
-def crashable(model_dir):
-    server = _vllm(model_dir, env=SERVER_ENV)
-    server.api_key = API_KEY
-    with server:
-        yield server
+@pytest.fixture
+def crashable(vllm_second):
+    return vllm_second
 
 
 def versions_on(server, name: str) -> list[int]:

@@ -111,26 +111,6 @@ def test_sglang_extra_key_cannot_reach_our_cache_keys(sglang):
     assert status == 400 and "extra_key" in reply["error"]["message"]
 
 
-def test_a_group_loads_only_for_its_owner(client, server, make_adapter):
-    client.init_group()
-    client.broadcast(make_adapter(seed=330), "owned")
-    before = greedy(client, "owned")
-    good = make_adapter(seed=331)
-    body = {"lora_name": "stolen", "adapter_config": good.config, "group_name": "default",
-            "tensors": [s.to_json() for s in good.specs()], "transfer_id": 5}
-    for token in (None, "x" * 32):
-        status, reply, _ = http.request(
-            "POST", client.servers[0].route("load_lora_adapter_from_distributed"),
-            json_body={**body, "group_token": token}, headers=AUTH)
-        assert status in (400, 403), reply
-        assert reply["error"]["code"] in ("bad_request", "bad_token"), reply
-    # The owner's group is untouched and still in step.
-    client.broadcast(good, "owned")
-    assert greedy(client, "owned-v1") == before != greedy(client, "owned")
-    assert versions_of(client, "stolen") == []
-    client.destroy_group()
-
-
 @pytest.mark.parametrize("lie", ["bigger", "smaller"])
 def test_a_broadcast_that_lies_about_its_size_is_refused(client, server, make_adapter,
                                                          monkeypatch, lie):

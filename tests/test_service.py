@@ -672,52 +672,6 @@ def test_header_bomb_is_refused_cheaply(fake_client):
     assert status == 400, reply
 
 
-def _stalled_upload(url: str, announced: int, sent: int) -> socket.socket:
-    host, port = url.split("//")[1].split("/")[0].split(":")
-    path = "/" + url.split("//")[1].split("/", 1)[1]
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall((f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
-                  f"application/octet-stream\r\nContent-Length: {announced}\r\n"
-                  f"Authorization: {AUTH['Authorization']}\r\n\r\n").encode())
-    if sent:
-        sock.sendall((1024).to_bytes(8, "little") + b" " * (sent - 8))
-    return sock
-
-
-def _read_reply(sock: socket.socket) -> str:
-    """One whole HTTP reply (status, headers and its Content-Length of body), bounded."""
-    sock.settimeout(10)
-    data = b""
-    while b"\r\n\r\n" not in data and (chunk := sock.recv(65536)):
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), 0)
-    while len(body) < length and (chunk := sock.recv(65536)):
-        body += chunk
-    sock.close()
-    return (head + b"\r\n\r\n" + body).decode(errors="replace")
-
-
-def test_slow_uploads_are_bounded(make_fake_server, make_adapter):
-    """test_attacks.py::test_slow_uploads_are_bounded (a server of its own with a 0.5 s
-    idle limit; 6 MB of staging as on the test servers)."""
-    server = make_fake_server(body_idle_s=0.5)
-    url = f"{server.url}/v1/{TENSORS}"
-    first = _stalled_upload(url, 3_500_000, 1_000_000)
-    try:
-        time.sleep(0.1)
-        second = _stalled_upload(url, 3_500_000, 0)
-        reply = _read_reply(second)
-        assert " 429 " in reply.split("\r\n")[0] and "staging_full" in reply, reply
-        reply = _read_reply(first)
-        assert " 408 " in reply.split("\r\n")[0] and "body_timeout" in reply, reply
-    finally:
-        first.close()
-    with LoRASyncClient(server.url, api_key=server.api_key) as c:
-        assert c.push(make_adapter(seed=671), "slow", transport="tensors")[0].version == 1
-
-
 # -- access --------------------------------------------------------------------------------
 def test_admin_routes_need_the_api_key(fake_server, fake_client, make_adapter):
     """test_hostile.py::test_admin_routes_need_the_api_key, on every admin route and on

@@ -28,29 +28,6 @@ def inflight(client, served):
     return 0
 
 
-def test_window_retires_old_versions_with_clear_404(client, make_adapter):
-    for seed in range(5):
-        client.push(make_adapter(seed=200 + seed), "win", transport="tensors")
-    assert versions_of(client, "win") == [3, 4, 5]
-    reply = client.complete(PROMPT, "win", 4)
-    assert reply["version"] == 5 and reply["model"] == "win-v5"
-    with pytest.raises(NotFound) as e:
-        client.complete(PROMPT, "win-v1", 4)
-    assert "win-v3" in str(e.value) and "win-v5" in str(e.value)
-    # The reply headers name the version too (alias requests included).
-    _, _, headers = http.request("POST", f"{client.servers[0].url}/v1/completions",
-                                 json_body={"model": "win", "prompt": PROMPT, "max_tokens": 2})
-    assert headers["x-lora-version"] == "5" and headers["x-lora-name"] == "win-v5"
-
-
-def test_several_names_side_by_side(client, make_adapter):
-    for i in range(4):
-        client.push(make_adapter(seed=300 + i), "left", transport="tensors")
-        client.push(make_adapter(seed=400 + i), "right", transport="tensors")
-    assert versions_of(client, "left") == versions_of(client, "right") == [2, 3, 4]
-    assert client.complete(PROMPT, "left", 8)["text"] != client.complete(PROMPT, "right", 8)["text"]
-
-
 def test_retiring_a_busy_version_never_blocks(client, make_adapter, server):
     """A long streaming request runs on v1 while pushes retire v1: the pushes return at
     once, the request completes on v1, and v1 is dropped after it ends."""
