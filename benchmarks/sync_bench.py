@@ -4,6 +4,11 @@ limits of the same bytes.
     python -m benchmarks.sync_bench             # Qwen2.5-0.5B shapes, ranks 8 16 64 128
     python -m benchmarks.sync_bench --quick     # tiny model, rank 8, 3 repetitions
 
+Each round syncs with every transport in turn (interleaved), so a slow spell of the machine
+hits them alike; each transport's ratio to disk is taken per round and reported as its
+median and min-max. The result says whether the machine was quiet: its load average before
+and after, and any other inference server running beside the benchmark's own.
+
 Writes runs/bench/results.json (every raw sample + machine), results.png and prints a table.
 """
 from __future__ import annotations
@@ -164,12 +169,17 @@ def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, 
         bar = tqdm(total=len(servers) * len(ranks) * (reps + 2) * len(TRANSPORTS),
                    desc="sync benchmark", unit="sync")
     samples = []
+    load_before, own, others = os.getloadavg(), {os.getpid()}, set()
     try:
         for entry in servers:
             started = None
             if isinstance(entry, str):
                 started = start_server(entry, model_dir, max(ranks), dtype)
                 entry = (entry, started.url)
+                own |= _process_tree(started.proc.pid)
+            else:
+                own |= _listening_pids(entry[1])
+            others |= set(other_servers(own))
             try:
                 with LoRASyncClient(entry[1], engine=entry[0], api_key=api_key) as client:
                     samples += bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar)
@@ -182,10 +192,43 @@ def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, 
             bar.close()
         shutil.rmtree(scratch, ignore_errors=True)
     result = {"machine": machine(), "model": str(model_dir), "dtype": dtype, "ranks": ranks,
-              "reps": reps, "samples": samples, "summary": summarize(samples)}
+              "reps": reps, "quiet": quiet_report(load_before, os.getloadavg(), sorted(others)),
+              "samples": samples, "summary": summarize(samples)}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "results.png")
     return result
+
+
+def _process_tree(root: int) -> set[int]:
+    """`root` and every process below it (a server and the helpers it spawned)."""
+    children: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def _listening_pids(url: str) -> set[int]:
+    """The processes of a server the caller started (given by URL; it is the benchmark's
+    own): those with its port on their command line, and their children."""
+    port = url.rsplit(":", 1)[-1].split("/")[0]
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if f"\0{port}\0" in cmd or cmd.endswith(f"\0{port}"):
+            pids |= _process_tree(int(pid))
+    return pids
 
 
 def machine() -> dict:
@@ -195,6 +238,32 @@ def machine() -> dict:
             "python": platform.python_version(), "torch": torch.__version__,
             "vllm": vllm.__version__, "sglang": " or ".join(SUPPORTED["SGLang"]),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+SERVER_MARKERS = ("vllm_ext.serve", "sglang_ext.launch_server", "sglang.launch_server",
+                  "vllm.entrypoints", "vllm serve")
+
+
+def other_servers(own_pids: set[int]) -> list[str]:
+    """Command lines of inference servers running beside the benchmark (and not its own):
+    any of them makes the timings noisy."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) in own_pids:
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(m in cmd for m in SERVER_MARKERS):
+            found.append(cmd.strip()[:200])
+    return found
+
+
+def quiet_report(before: tuple, after: tuple, others: list[str]) -> dict:
+    return {"loadavg_before": list(before), "loadavg_after": list(after),
+            "other_servers": others,
+            "quiet": not others and max(before[0], after[0]) < 0.5 * (os.cpu_count() or 1)}
 
 
 def _median(xs):
@@ -221,8 +290,18 @@ def summarize(samples: list[dict]) -> list[dict]:
                      "cold_s": _median([s["phases"]["total"] for s in every if s.get("cold")]),
                      "first_completion_s": _median([s.get("first_completion_s") for s in group
                                                     if s.get("first_completion_s")])})
+    disk_by_round = {(s["engine"], s["rank"], s["rep"]): s["phases"]["total"] for s in samples
+                     if s["transport"] == "disk" and not s.get("cold")}
     for row in rows:
         rank, engine = row["rank"], row["engine"]
+        # Per round: this transport against the disk sync of the same round.
+        ratios = [disk_by_round[(engine, rank, s["rep"])] / s["phases"]["total"]
+                  for s in samples if (s["engine"], s["transport"], s["rank"]) ==
+                  (engine, row["transport"], rank) and not s.get("cold")
+                  and (engine, rank, s.get("rep")) in disk_by_round]
+        if ratios:
+            row["speedup_per_round"] = {"median": _median(ratios), "min": min(ratios),
+                                        "max": max(ratios), "rounds": len(ratios)}
         disk = med.get((engine, "disk", rank), {}).get("total")
         tens = med.get((engine, "tensors", rank), {})
         registration = tens.get("worker", 0) + tens.get("register", 0)
@@ -244,9 +323,17 @@ def _cell(value, spec: str, unit: str, scale: float = 1.0) -> str:
     return f"{value * scale:{spec}}{unit}"
 
 
+def _spread(per_round: dict | None) -> str:
+    """The per-round ratio's min-max, beside the median ratio."""
+    if not per_round:
+        return " " * 12
+    return f" [{per_round['min']:.2f}-{per_round['max']:.2f}]"
+
+
 def print_table(rows: list[dict]) -> str:
     head = (f"{'engine':7} {'transport':15} {'rank':>4} {'MB':>7} {'median':>8} {'min':>8} "
-            f"{'max':>8} {'MB/s':>7} {'vs disk':>7} {'x limit':>7} {'cold':>8} {'1st compl':>9}"
+            f"{'max':>8} {'MB/s':>7} {'vs disk [per-round min-max]':>27} {'x limit':>7} "
+            f"{'cold':>8} {'1st compl':>9}"
             "  phases (median ms)")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -254,7 +341,8 @@ def print_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['engine']:7} {r['transport']:15} {r['rank']:>4} {r['mb']:7.1f} "
             f"{r['median_s']*1e3:7.1f}ms {r['min_s']*1e3:6.1f}ms {r['max_s']*1e3:6.1f}ms "
-            f"{r['mb_per_s']:7.0f} {_cell(r.get('speedup_over_disk'), '6.2f', 'x')} "
+            f"{r['mb_per_s']:7.0f} {_cell(r.get('speedup_over_disk'), '6.2f', 'x')}"
+            f"{_spread(r.get('speedup_per_round'))} "
             f"{_cell(r.get('x_limit'), '6.2f', 'x')} {_cell(r['cold_s'], '6.1f', 'ms', 1e3)} "
             f"{_cell(r['first_completion_s'], '7.0f', 'ms', 1e3)}  {ph}")
     text = "\n".join(lines)
@@ -299,7 +387,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, rank 8, 3 repetitions")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64, 128])
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10, help="interleaved rounds (default 10)")
     p.add_argument("--engines", nargs="+", default=["vllm", "sglang"],
                    help="servers to start, one after the other")
     p.add_argument("--server-url", help="an already running lora-sync server instead")
@@ -319,7 +407,12 @@ def main() -> None:
     servers = [(a.server_engine, a.server_url)] if a.server_url else a.engines
     result = run(model_dir, ranks, reps, servers, Path(a.out), dtype, a.progress)
     text = print_table(result["summary"])
-    (Path(a.out) / "table.txt").write_text(text + "\n")
+    q = result["quiet"]
+    note = (f"machine {'quiet' if q['quiet'] else 'NOT quiet'}: load average "
+            f"{q['loadavg_before'][0]:.2f} before, {q['loadavg_after'][0]:.2f} after; "
+            f"{len(q['other_servers'])} other inference server(s) running")
+    print(note)
+    (Path(a.out) / "table.txt").write_text(text + "\n" + note + "\n")
     print(f"\nraw samples: {a.out}/results.json  plot: {a.out}/results.png")
 
 

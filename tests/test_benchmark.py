@@ -33,5 +33,10 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
         assert rows[(engine, "shm")]["x_limit"] > 0
         assert set(rows[(engine, "tensors")]["phases_s"]) >= {"receive", "worker", "handoff",
                                                               "register", "total"}
+    # Ratios to disk per round, with their spread; whether the machine was quiet.
+    for engine in ("vllm", "sglang"):
+        spread = rows[(engine, "shm")]["speedup_per_round"]
+        assert spread["rounds"] == 2 and spread["min"] <= spread["median"] <= spread["max"]
+    assert set(saved["quiet"]) == {"loadavg_before", "loadavg_after", "other_servers", "quiet"}
     assert (out / "results.png").stat().st_size > 0
     assert "tensors" in print_table(result["summary"])

@@ -310,3 +310,18 @@ def test_shm_spare_lease_follows_the_adapter_size():
         finally:
             table.close()
     asyncio.run(run())
+
+
+def test_benchmark_ratios_are_taken_per_round_against_that_rounds_disk_sync():
+    from benchmarks.sync_bench import summarize
+
+    def sample(transport, rep, total, cold=False):
+        return {"engine": "vllm", "transport": transport, "rank": 8, "bytes": 1000,
+                "rep": rep, "cold": cold, "phases": {"total": total}}
+    samples = [sample("disk", 0, 9.0, cold=True), sample("shm", 0, 1.0, cold=True),
+               sample("disk", 1, 4.0), sample("shm", 1, 2.0),   # round 1: 2x
+               sample("disk", 2, 3.0), sample("shm", 2, 1.0),   # round 2: 3x
+               sample("disk", 3, 1.0), sample("shm", 3, 2.0)]   # round 3: 0.5x
+    [shm] = [r for r in summarize(samples) if r["transport"] == "shm"]
+    assert shm["speedup_per_round"] == {"median": 2.0, "min": 0.5, "max": 3.0, "rounds": 3}
+    assert shm["speedup_over_disk"] == 3.0 / 2.0  # median disk over median shm
