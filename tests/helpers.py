@@ -7,6 +7,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -151,3 +152,24 @@ def torchrun(script, *args, nproc: int = 2, timeout: float = 240, env=None):
         log, _ = proc.communicate()
         raise AssertionError(f"torchrun timed out after {timeout:g} s:\n{log[-6000:]}")
     return proc.returncode, log
+
+
+class Background:
+    """An HTTP request on its own thread, bounded in time; remembers how it ended."""
+
+    def __init__(self, method, url, body=None, headers=None, timeout=240):
+        self.result: dict = {}
+
+        def run():
+            try:
+                status, reply, hdrs = http.request(method, url, json_body=body,
+                                                   headers=headers, timeout=timeout)
+                self.result.update(status=status, reply=reply, headers=hdrs)
+            except Exception as e:  # reported by the test
+                self.result.update(error=repr(e))
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout=300) -> dict:
+        self.thread.join(timeout)
+        return self.result

@@ -14,7 +14,7 @@ import pytest
 
 from lora_sync import LoRASyncClient, http
 
-from .helpers import AUTH, PROMPT, greedy, post_body, versions_of
+from .helpers import AUTH, PROMPT, Background, greedy, post_body, versions_of
 
 KEEP = 3  # the session servers' LORA_SYNC_KEEP_VERSIONS
 
@@ -25,27 +25,6 @@ def held_versions(client, name):
                    for v in a["versions"]} |
                   {int(s.rsplit("-v", 1)[1]) for a in client.adapters()[0]["adapters"]
                    if a["name"] == name for s in a["draining"]})
-
-
-class Background:
-    """A request on its own thread, bounded in time; remembers how it ended."""
-
-    def __init__(self, method, url, body=None, headers=None, timeout=240):
-        self.result = {}
-
-        def run():
-            try:
-                status, reply, hdrs = http.request(method, url, json_body=body,
-                                                   headers=headers, timeout=timeout)
-                self.result.update(status=status, reply=reply, headers=hdrs)
-            except Exception as e:  # noqa: BLE001 - reported by the test
-                self.result.update(error=repr(e))
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout=300):
-        self.thread.join(timeout)
-        return self.result
 
 
 def wait_inflight(client, name, n, seconds=60):

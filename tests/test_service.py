@@ -31,7 +31,8 @@ from lora_sync.transports import shm
 
 from .conftest import SERVER_ENV
 from .engine_fakes import BASE_TEXT, text_of, tiny_model_spec, weights_digest
-from .helpers import AUTH, PROMPT, bad_bodies, body_of, greedy, post_body, versions_of
+from .helpers import (AUTH, PROMPT, Background, bad_bodies, body_of, greedy, post_body,
+                      versions_of)
 
 KEEP = int(SERVER_ENV["LORA_SYNC_KEEP_VERSIONS"])
 MAX_BODY = int(float(SERVER_ENV["LORA_SYNC_MAX_BODY_MB"]) * 2 ** 20)
@@ -110,27 +111,6 @@ def parts_of(adapter, name: str, version=None) -> list:
 
 def open_leases(client) -> int:
     return client.info()[0]["open_leases"]
-
-
-class Background:
-    """An HTTP request on its own thread; remembers how it ended."""
-
-    def __init__(self, method, url, body=None, headers=None, timeout=60):
-        self.result: dict = {}
-
-        def run():
-            try:
-                status, reply, hdrs = http.request(method, url, json_body=body,
-                                                   headers=headers, timeout=timeout)
-                self.result.update(status=status, reply=reply, headers=hdrs)
-            except Exception as e:  # noqa: BLE001 - reported by the test
-                self.result.update(error=repr(e))
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout=60) -> dict:
-        self.thread.join(timeout)
-        return self.result
 
 
 def inflight(client, served: str) -> int:
