@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -173,3 +174,21 @@ class Background:
     def join(self, timeout=300) -> dict:
         self.thread.join(timeout)
         return self.result
+
+
+def blackhole():
+    """A listener that accepts connections and never answers: (port, close)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    held, stop = [], threading.Event()
+
+    def accept():
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                pass
+    threading.Thread(target=accept, daemon=True).start()
+    return sock.getsockname()[1], lambda: (stop.set(), [c.close() for c in held], sock.close())

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import pytest
 
 from lora_sync import LoRASyncClient, http
 
-from .helpers import AUTH, PROMPT, Background, greedy, post_body, versions_of
+from .helpers import AUTH, PROMPT, Background, blackhole, greedy, post_body, versions_of
 
 KEEP = 3  # the session servers' LORA_SYNC_KEEP_VERSIONS
 
@@ -185,31 +184,12 @@ BAD_GROUP_FIELDS = [
 ]
 
 
-def _blackhole():
-    """A listener that accepts connections and never answers."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    held = []
-    stop = threading.Event()
-
-    def accept():
-        sock.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(sock.accept()[0])
-            except OSError:
-                pass
-    threading.Thread(target=accept, daemon=True).start()
-    return sock.getsockname()[1], lambda: (stop.set(), [c.close() for c in held], sock.close())
-
-
 @ONE_ENGINE
 def test_rendezvous_blackhole_neither_blocks_generation_nor_outlives_its_timeout(
         client, server, make_adapter):
     """Review items 3 and 18: a trainer address that accepts and never answers blocked
     generation for 40 s and the init answered 500 after 45 s."""
-    port, close = _blackhole()
+    port, close = blackhole()
     try:
         init = Background("POST", client.servers[0].route("init_lora_update_group"),
                           {"master_address": "127.0.0.1", "master_port": port,

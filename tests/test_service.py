@@ -31,8 +31,8 @@ from lora_sync.transports import shm
 
 from .conftest import SERVER_ENV
 from .engine_fakes import BASE_TEXT, text_of, tiny_model_spec, weights_digest
-from .helpers import (AUTH, PROMPT, Background, bad_bodies, body_of, greedy, post_body,
-                      versions_of)
+from .helpers import (AUTH, PROMPT, Background, bad_bodies, blackhole, body_of, greedy,
+                      post_body, versions_of)
 
 KEEP = int(SERVER_ENV["LORA_SYNC_KEEP_VERSIONS"])
 MAX_BODY = int(float(SERVER_ENV["LORA_SYNC_MAX_BODY_MB"]) * 2 ** 20)
@@ -1171,32 +1171,17 @@ def test_rendezvous_blackhole_does_not_block_and_times_out(fake_server, fake_cli
     """test_attacks.py::test_rendezvous_blackhole_neither_blocks_generation_nor_outlives_its
     _timeout (a 1 s group timeout)."""
     c = fake_client
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    held, stop = [], threading.Event()
-
-    def accept():
-        sock.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(sock.accept()[0])
-            except OSError:
-                pass
-    threading.Thread(target=accept, daemon=True).start()
+    port, close = blackhole()
     try:
         init = Background("POST", route(c, INIT_GROUP),
-                          {"master_address": "127.0.0.1", "master_port": sock.getsockname()[1],
+                          {"master_address": "127.0.0.1", "master_port": port,
                            "rank_offset": 1, "world_size": 2, "group_name": "hole",
                            "timeout_s": 1}, AUTH)
         time.sleep(0.2)
         assert c.complete(PROMPT, "base", 4)["text"] == BASE_TEXT  # the engine is not blocked
         result = init.join(30)
     finally:
-        stop.set()
-        for conn in held:
-            conn.close()
-        sock.close()
+        close()
     assert result["status"] == 502 and result["reply"]["error"]["code"] == "transfer_failed", \
         result
     wait_until(lambda: not c.info()[0]["worker_status"][0]["groups"], what="no group left")
