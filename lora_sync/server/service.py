@@ -148,8 +148,7 @@ class AdapterService:
         # Per transport, what it may use: its own state between requests (shm: the open
         # leases; broadcast: the groups) and what the service lends it.
         self.contexts = {name: ServerContext(self.settings, t.new_state(self.settings),
-                                             self.staging, self.workers, self._receive_body,
-                                             self._in_background)
+                                             self.staging, self.workers, self._receive_body)
                          for name, t in TRANSPORTS.items()}
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
@@ -239,6 +238,8 @@ class AdapterService:
             if not kept:
                 staged.release()
         reply["timings_ms"].update(staged.timings_ms, settle=settle_ms)
+        if staged.afterwards is not None:
+            self._in_background(staged.afterwards)
         return reply
 
     async def _install(self, transport: str, staged: Staged, cfg: dict, t0: float) -> dict:

@@ -126,7 +126,6 @@ class ServerContext:
     staging: Any                  # staging.StagingArea: where bodies land
     workers: Any                  # server.service.Workers: ops on every worker
     receive_body: Callable        # async (RawBody) -> staging.StagedBody, budget shared
-    in_background: Callable       # (fn, *args): runs after the reply, on a thread
 
 
 @dataclass
@@ -146,6 +145,9 @@ class Staged:
     background_s: float | None = None  # workers take it in on a thread, within this
     timings_ms: dict = field(default_factory=dict)
     on_failure: Callable | None = None  # (LoRASyncError) -> None, after a failed install
+    # Work for after a successful install, on a thread off the push path (shm: touching
+    # the pages of the next lease while the trainer computes its next step).
+    afterwards: Callable | None = None
 
     def intake(self, transport: str, adapter_id: int, config: dict) -> IntakeRequest:
         return IntakeRequest(transport, adapter_id, config, self.checksum, self.intake_args)

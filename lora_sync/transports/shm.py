@@ -382,8 +382,8 @@ class ShmTransport(Transport):
             raise
         staged = staged_file(StagedBody(sealed.path, sealed.nbytes, header), sealed,
                              receive=(time.perf_counter() - t0) * 1e3)
-        # The next lease of this size gets pages touched now, off the push path.
-        ctx.in_background(ctx.state.prepare_spare, sealed.nbytes)
+        # The next lease of this size gets pages touched once this push is done.
+        staged.afterwards = partial(ctx.state.prepare_spare, sealed.nbytes)
         return staged
 
     # worker side
