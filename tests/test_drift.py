@@ -206,3 +206,23 @@ def test_build_lora_model_runs_that_release_checks(monkeypatch, installed, row):
         engine_api.release.cache_clear()
     assert lora == "lora" and built["lora_model_id"] == 7 and built["device"] == "cpu"
     assert tuple(calls) == engine_api.BY_VERSION[row]["lora_checks"]
+
+
+@pytest.mark.parametrize("old,new,problem", [
+    # an override of another private TRL method
+    ("    def _init_lora_sync(self, model) -> bool:\n",
+     "    def _save_checkpoint(self, model, trial):\n        pass\n\n"
+     "    def _init_lora_sync(self, model) -> bool:\n",
+     "method `AsyncGRPOTrainer._save_checkpoint`"),
+    # TRL's own `_lora_sync` attribute: our `_lora_sync` prefix must not excuse it here
+    ("        self._lora_name = self.lora_sync_name\n",
+     "        self._lora_name = self.lora_sync_name\n        self._lora_sync = True\n",
+     "private attribute `._lora_sync`"),
+])
+def test_an_unlisted_trl_touch_fails(tmp_path, old, new, problem):
+    text = drift.ENGINE_FILES["trl"].read_text()
+    assert old in text
+    path = tmp_path / "trl.py"
+    path.write_text(text.replace(old, new, 1))
+    problems = drift.coverage_problems(path, "trl")
+    assert len(problems) == 1 and problem in problems[0], problems

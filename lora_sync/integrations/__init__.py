@@ -1,0 +1,5 @@
+"""Drop-ins for training frameworks (each imports its framework only when imported itself):
+
+  lora_sync.integrations.trl           AsyncGRPOTrainer: TRL's, syncing its LoRA with lora-sync
+  lora_sync.integrations.transformers  LoRASyncCallback: any transformers.Trainer, every N steps
+"""

@@ -1,0 +1,192 @@
+"""TRL's AsyncGRPOTrainer (trl==1.16.0), with every weight sync a lora-sync push.
+
+The one-line change from TRL's own example:
+
+    from trl.experimental.async_grpo import AsyncGRPOTrainer     # before
+    from lora_sync.integrations.trl import AsyncGRPOTrainer      # after
+
+Same arguments (a `peft_config` is required: lora-sync syncs LoRA adapters), plus optional
+`lora_sync_servers` (default: the config's `vllm_server_base_url`), `lora_sync_api_key`
+(default: $LORA_SYNC_API_KEY), `lora_sync_transport` ("auto" or "broadcast"),
+`lora_sync_name` (default TRL's "trl-policy"), `lora_sync_engine` ("vllm" or "sglang": the
+engine at `vllm_server_base_url`, and of servers given as URLs), `lora_sync_dtype` (e.g.
+torch.bfloat16: cast before sending), `lora_sync_timeout`. The trainer's client is
+`trainer.lora_sync_client`, every sync's results are in `trainer.lora_sync_pushes`.
+
+TRL's rollout worker generates at `vllm_server_base_url` only (one URL, no API key sent): give
+lora-sync every server behind it (`lora_sync_servers`), e.g. the replicas behind a router.
+On SGLang, TRL's "no top-k" (`top_k=0`) is refused by the server, so it is sent as -1.
+
+What changes against TRL's own adapter sync (`_sync_weight_lora`):
+  * each sync pushes the PEFT adapter from memory (`LoRASyncClient.push`): nothing is written
+    under `<output_dir>/.vllm_lora/`, the server needs no shared file system and no
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING` / `VLLM_SERVER_DEV_MODE`;
+  * no `/pause` and `/resume`: a lora-sync version appears atomically, requests running on
+    the previous version finish on it, and old versions leave the server's retention window
+    (LORA_SYNC_KEEP_VERSIONS) by themselves, so there is no unload either;
+  * the version pushed is TRL's `model_version`, so `<name>-v<N>` is exactly the model TRL's
+    rollout worker requests; after a restart (resumed or not) numbering continues above the
+    newest version any server holds;
+  * data-parallel servers take the adapter on every replica (TRL falls back to merged full
+    weights there); on a sharded (FSDP2) trainer every rank calls the push, rank 0 sends;
+  * what TRL's own adapter check refuses (DoRA, modules_to_save, biases, several active
+    adapters, LoRA on the head or embeddings, fused-MoE parameter LoRA) is refused with an
+    error instead of TRL's fallback to merged weights, which lora-sync does not have.
+
+Every TRL name this module touches is in TOUCHED; `scripts/drift_check.py trl==<version>`
+looks each up in that release's wheel (read, not imported).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+
+import torch
+from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
+from trl.experimental.async_grpo.async_grpo_trainer import (
+    AsyncGRPOTrainer as _TRLAsyncGRPOTrainer, validate_lora_for_vllm_sync)
+
+from ..adapter import LoRAAdapter, check_config
+from ..errors import BadAdapter
+from ..server.pins import require_supported
+from ..trainer.client import LoRASyncClient
+
+logger = logging.getLogger("lora_sync")
+
+# "auto": per server, shm on this host, else tensors over HTTP; "broadcast": one collective
+TRANSPORTS = ("auto", "broadcast")
+
+# Every TRL name used here, private or not (scripts/drift_check.py checks each against a TRL
+# wheel; the coverage check fails if this module uses a TRL import, private attribute or
+# overridden private method that is not listed). "(a, b, *, c)": called with these.
+TOUCHED = [
+    # the class we subclass, and the arguments we read from its call
+    "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer"
+    "(model, reward_funcs, args, *, peft_config, weight_transfer)",
+    # TRL's own adapter check (what TRL's adapter sync refuses, we refuse)
+    "trl.experimental.async_grpo.async_grpo_trainer:validate_lora_for_vllm_sync(model)",
+    # the two private methods we override: the sync-mode probe (rank 0, inside __init__,
+    # before the rollout worker is built with the adapter name) and the adapter sync
+    "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer._init_lora_sync(model)",
+    "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer._sync_weight_lora(t0)",
+    # the name the rollout worker requests as f"{_lora_name}-v{model_version}"
+    "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer._lora_name",
+    "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer._adapter_name",
+    "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.model_version",
+    "trl.experimental.async_grpo.async_grpo_trainer:AsyncGRPOTrainer.rollout_worker",
+    "trl.experimental.async_grpo.async_grpo_trainer:RolloutWorkerProtocol"
+    ".update_model_version(model_version)",
+    "trl.experimental.async_grpo.async_grpo_config:AsyncGRPOConfig.vllm_server_base_url",
+    # SGLang refuses TRL's "no top-k" (0); the worker sends args.top_k as is
+    "trl.experimental.async_grpo.async_grpo_config:AsyncGRPOConfig.top_k",
+]
+
+
+def check_servable(model, max_rank: int | None = None):
+    """The active adapter's PEFT config if lora-sync can push it; else a ValueError naming
+    why: TRL's own adapter check first (DoRA, modules_to_save, bias, ...), then lora-sync's
+    (what its servers would refuse, e.g. per-module ranks; rank above `max_rank`)."""
+    try:
+        peft_config = validate_lora_for_vllm_sync(model)
+    except ValueError as e:
+        raise ValueError(f"lora-sync cannot sync this adapter: {e} (TRL's own adapter check; "
+                         "lora-sync pushes the adapter alone, TRL's merged-weight fallback "
+                         "does not apply)") from None
+    try:
+        adapter = LoRAAdapter.from_peft_model(model, model.active_adapters[0])
+        check_config(adapter.config, max_rank if max_rank is not None else adapter.rank)
+    except BadAdapter as e:
+        raise ValueError(f"lora-sync cannot sync this adapter: {e.message}") from None
+    return peft_config
+
+
+class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
+    """TRL's AsyncGRPOTrainer whose weight syncs are lora-sync pushes (see the module doc)."""
+
+    def __init__(self, *args, lora_sync_servers=None, lora_sync_api_key: str | None = None,
+                 lora_sync_transport: str = "auto", lora_sync_name: str = "trl-policy",
+                 lora_sync_engine: str = "vllm", lora_sync_dtype=None,
+                 lora_sync_timeout: float = 300.0, **kwargs):
+        import trl
+        require_supported("TRL", trl.__version__)
+        bound = inspect.signature(_TRLAsyncGRPOTrainer.__init__).bind(None, *args, **kwargs)
+        if bound.arguments.get("peft_config") is None:
+            raise ValueError("lora-sync syncs LoRA adapters: pass peft_config=LoraConfig(...) "
+                             "(full fine-tuning syncs full weights, which lora-sync does not)")
+        if bound.arguments.get("weight_transfer") is not None:
+            raise ValueError("weight_transfer and lora-sync both sync the weights: pass one")
+        if lora_sync_transport not in TRANSPORTS:
+            raise ValueError(f"lora_sync_transport must be one of {TRANSPORTS}, "
+                             f"not {lora_sync_transport!r}")
+        # Set before TRL's __init__, which calls _init_lora_sync (below) on rank 0.
+        self.lora_sync_servers = lora_sync_servers
+        self.lora_sync_api_key = lora_sync_api_key or os.environ.get("LORA_SYNC_API_KEY")
+        self.lora_sync_transport = lora_sync_transport
+        self.lora_sync_name = lora_sync_name
+        self.lora_sync_engine = lora_sync_engine
+        self.lora_sync_dtype = lora_sync_dtype
+        self.lora_sync_timeout = lora_sync_timeout
+        self.lora_sync_client: LoRASyncClient | None = None
+        self.lora_sync_pushes: list = []  # one PushResult list per sync, in order
+        if lora_sync_engine == "sglang":
+            # TRL's rollout worker sends its top_k as is; TRL disables top-k with 0, which
+            # SGLang refuses (400 "top_k must be -1 (disable) or at least 1"): use -1.
+            config = bound.arguments.get("args")
+            if config is None:  # what TRL would build
+                config = bound.arguments["args"] = AsyncGRPOConfig(
+                    f"{bound.arguments['model'].split('/')[-1]}-AsyncGRPO")
+            if config.top_k == 0:
+                config.top_k = -1
+        super().__init__(*bound.args[1:], **bound.kwargs)
+
+    # -- the lora-sync side ---------------------------------------------------------------
+    def lora_sync_connect(self) -> LoRASyncClient:
+        """The client (made once; on every rank, only rank 0 talks to the servers)."""
+        if self.lora_sync_client is None:
+            servers = self.lora_sync_servers or [self.args.vllm_server_base_url]
+            self.lora_sync_client = LoRASyncClient(
+                servers, engine=self.lora_sync_engine, api_key=self.lora_sync_api_key,
+                timeout=self.lora_sync_timeout)
+            if self.lora_sync_transport == "broadcast" and self.accelerator.is_main_process:
+                self.lora_sync_client.init_group(
+                    backend="nccl" if torch.cuda.is_available() else "gloo")
+        return self.lora_sync_client
+
+    # -- TRL's two hooks --------------------------------------------------------------------
+    def _init_lora_sync(self, model) -> bool:
+        """Rank 0, inside TRL's __init__: checks the adapter and the servers, names the adapter
+        the rollout worker will request; True selects TRL's adapter-sync path."""
+        check_servable(model)
+        client = self.lora_sync_connect()
+        max_rank = min(i["max_lora_rank"] for i in client.info())
+        check_servable(model, max_rank)
+        self._lora_name = self.lora_sync_name
+        logger.info("TRL AsyncGRPO: LoRA syncs are lora-sync pushes (%s) of %s-v<N> to %s",
+                    self.lora_sync_transport, self.lora_sync_name,
+                    ", ".join(s.url for s in client.servers))
+        return True
+
+    def _sync_weight_lora(self, t0: float) -> tuple[float, float, float]:
+        """Every rank: pushes the adapter as version model_version + 1 (no pause, no disk),
+        then moves the rollout worker to it. Returns TRL's (pause, barrier, transfer) marks:
+        no pause and no barrier of its own (a sharded push is its own collective)."""
+        client = self.lora_sync_connect()
+        model = self.accelerator.unwrap_model(self.model)
+        adapter = LoRAAdapter.from_peft_model(model, self._adapter_name)
+        version = self.model_version + 1
+        if not self.lora_sync_pushes and self.accelerator.is_main_process:
+            # First sync of this trainer: a restarted one continues above what servers hold,
+            # so <name>-v<N> never names another trainer's adapter.
+            held = [v for v in client.newest_versions(self.lora_sync_name) if v]
+            version = max([version, *(v + 1 for v in held)])
+        results = client.push(adapter, self.lora_sync_name, version=version,
+                              transport=self.lora_sync_transport, dtype=self.lora_sync_dtype)
+        self.lora_sync_pushes.append(results)
+        t_transfer = time.time()
+        # The version exists on every server now: only then may the worker request it.
+        self.model_version = results[0].version
+        if self.rollout_worker:
+            self.rollout_worker.update_model_version(self.model_version)
+        return t0, t0, t_transfer

@@ -1,0 +1,466 @@
+"""The training-framework integrations: TRL's AsyncGRPOTrainer with lora-sync
+(lora_sync/integrations/trl.py) and LoRASyncCallback for transformers.Trainer
+(lora_sync/integrations/transformers.py).
+
+In-process (no server): what the TRL trainer refuses, and its version numbering and pushes
+against lora-sync on the fake engine (tests/engine_fakes.py). Real vLLM server: a short
+AsyncGRPO run whose rollouts are served by exactly the versions the trainer pushed, and the
+callback's pushes against the same adapters loaded from disk by the engine."""
+from __future__ import annotations
+
+import functools
+import http.client
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here comes from the Hub (TRL's
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # trainers send telemetry)
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from peft import LoraConfig  # noqa: E402
+
+from lora_sync import LoRASyncClient  # noqa: E402
+
+from .helpers import PROMPT, disk_model  # noqa: E402
+
+PROMPTS = ["the quick brown", "hello world,", "one two three", "a small model",
+           "lora adapters are", "how are you"]
+# The tiny tokenizer's chat template matches none TRL knows, and TRL's rollout worker parses
+# each completion with the tokenizer's response template: plain text after the prompt (which
+# the template ends with a space), up to </s>.
+PLAIN_TEMPLATE = {"defaults": {"role": "assistant"}, "start_anchor_pattern": r" $",
+                  "fields": {"content": {"close_pattern": r"</s>\s*", "content": "text"}}}
+
+
+def lora(**kw) -> LoraConfig:
+    return LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": "all-linear",
+                         "lora_dropout": 0.0, **kw})
+
+
+def token_reward(completions, completion_ids, targets=frozenset(), **kwargs):
+    """Fraction of a completion's tokens in `targets` (module level: TRL's rollout worker is a
+    spawned process and unpickles its reward functions)."""
+    return [sum(t in targets for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.response_template = PLAIN_TEMPLATE
+    return tok
+
+
+def trainer_for(model_dir, out_dir, servers, api_key=None, peft_config=None, **kw):
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from lora_sync.integrations.trl import AsyncGRPOTrainer
+    from testbed import trl_cpu
+    trl_cpu.patch()  # TRL's AsyncGRPOTrainer needs CUDA otherwise
+    config = {"output_dir": str(out_dir), "max_steps": 4, "per_device_train_batch_size": 8,
+              "num_generations": 4, "max_completion_length": 8, "learning_rate": 3e-2,
+              "bf16": False, "gradient_checkpointing": False, "report_to": "none",
+              "logging_steps": 1, "save_strategy": "no", "max_staleness": 1,
+              "token_budget": -1, "seed": 0, "disable_tqdm": True,
+              "vllm_server_base_url": servers[0] if servers else "http://127.0.0.1:9",
+              **kw.pop("config", {})}
+    tok = tokenizer(model_dir)
+    targets = frozenset(i for i in range(len(tok)) if "e" in tok.decode([i]))
+    return AsyncGRPOTrainer(
+        model=str(model_dir), reward_funcs=functools.partial(token_reward, targets=targets),
+        args=AsyncGRPOConfig(**config),
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}]
+                                                    for p in PROMPTS]}),
+        processing_class=tok, peft_config=peft_config or lora(),
+        lora_sync_servers=servers, lora_sync_api_key=api_key, **kw)
+
+
+# -- in-process: what is refused ------------------------------------------------------------
+UNREACHABLE = ["http://127.0.0.1:9"]  # the refusals come before any server is asked
+
+
+@pytest.mark.parametrize("peft_config,why", [
+    (lora(use_dora=True), "DoRA"),
+    (lora(modules_to_save=["norm"]), "modules_to_save"),
+    (lora(bias="lora_only"), "bias='lora_only'"),
+    (lora(bias="all"), "bias='all'"),
+])
+def test_refuses_what_trls_adapter_sync_refuses(model_dir, tmp_path, peft_config, why):
+    with pytest.raises(ValueError) as e:
+        trainer_for(model_dir, tmp_path, UNREACHABLE, peft_config=peft_config)
+    assert "lora-sync cannot sync this adapter" in str(e.value) and why in str(e.value)
+    assert not (tmp_path / ".vllm_lora").exists()
+
+
+def test_refuses_what_lora_sync_servers_would(model_dir):
+    """TRL's check lets per-module ranks and ranks above the servers' through."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lora_sync.integrations.trl import check_servable
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match="per-module ranks"):
+        check_servable(get_peft_model(base, lora(rank_pattern={"q_proj": 16})))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora(r=16))
+    assert check_servable(model, max_rank=16).r == 16
+    with pytest.raises(ValueError, match="max LoRA rank 8"):
+        check_servable(model, max_rank=8)
+
+
+def test_refuses_without_lora_or_with_another_weight_sync(model_dir, tmp_path):
+    from lora_sync.integrations.trl import AsyncGRPOTrainer
+    with pytest.raises(ValueError, match="peft_config"):
+        AsyncGRPOTrainer(str(model_dir), token_reward)
+    with pytest.raises(ValueError, match="weight_transfer"):
+        AsyncGRPOTrainer(str(model_dir), token_reward, peft_config=lora(),
+                         weight_transfer=object())
+    with pytest.raises(ValueError, match="lora_sync_transport"):
+        AsyncGRPOTrainer(str(model_dir), token_reward, peft_config=lora(),
+                         lora_sync_transport="shm")
+
+
+def test_refuses_an_untested_trl(monkeypatch, model_dir):
+    import trl
+
+    from lora_sync.integrations.trl import AsyncGRPOTrainer
+    monkeypatch.setattr(trl, "__version__", "9.9.9")
+    monkeypatch.delenv("LORA_SYNC_ALLOW_UNTESTED_ENGINE", raising=False)
+    with pytest.raises(RuntimeError, match="TRL 1.16.0"):
+        AsyncGRPOTrainer(str(model_dir), token_reward, peft_config=lora())
+
+
+def test_cpu_tree_attention_matches_plain_attention(model_dir):
+    """testbed.trl_cpu's stand-in for TRL's FA3 tree attention: two samples sharing a prefix,
+    packed as TRL packs them, get the logits each gets alone with plain attention."""
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo import async_grpo_trainer
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow
+
+    from testbed import trl_cpu
+    trl_cpu.patch()
+    async_grpo_trainer.register_tree_attention()
+    samples = [[5, 6, 7, 8, 9], [5, 6, 7, 11]]
+    row = TreeRow()
+    for i, ids in enumerate(samples):
+        row.add({"input_ids": torch.tensor(ids), "completion_mask": torch.ones(len(ids)),
+                 "old_log_probs": torch.zeros(len(ids)), "advantage": 0.0, "group_id": 0})
+    packed = row.pack()
+    assert packed["input_ids"].tolist() == [5, 6, 7, 8, 9, 7, 11]  # [5, 6] is shared
+    tree = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=TREE_ATTENTION)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    with torch.no_grad():
+        logits = tree(input_ids=packed["input_ids"][None],
+                      position_ids=packed["position_ids"][None],
+                      tree_kv_index=packed["tree_kv_index"],
+                      tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
+                      tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
+                      tree_max_seqlen_q=int(packed["tree_max_seqlens"][0]),
+                      tree_max_seqlen_k=int(packed["tree_max_seqlens"][1])).logits[0]
+        for ids, where in zip(samples, ([0, 1, 2, 3, 4], [0, 1, 5, 6])):
+            alone = plain(input_ids=torch.tensor([ids])).logits[0]
+            torch.testing.assert_close(logits[where], alone, atol=1e-5, rtol=1e-5)
+
+
+# -- in-process: versions and pushes on the fake engine ------------------------------------
+def served_text(model):
+    from lora_sync import LoRAAdapter, check_adapter
+
+    from .engine_fakes import text_of, tiny_model_spec, weights_digest
+    adapter = LoRAAdapter.from_peft_model(model)
+    cfg = check_adapter(adapter.specs(), adapter.config, tiny_model_spec())
+    return text_of(weights_digest(adapter.tensors, cfg))
+
+
+def held(client, name):
+    return sorted(v["version"] for a in client.adapters()[0]["adapters"] if a["name"] == name
+                  for v in a["versions"] if not v["retired"])
+
+
+def test_syncs_push_trl_model_versions(model_dir, tmp_path, make_fake_server):
+    """Each sync is TRL's model_version + 1, pushed from memory (nothing under .vllm_lora),
+    and is what the rollout worker requests; a restarted trainer, resumed or not, continues
+    above what the server holds."""
+    server = make_fake_server()
+    client = LoRASyncClient(server.url, api_key=server.api_key)
+    trainer = trainer_for(model_dir, tmp_path / "a", [server.url], server.api_key,
+                          lora_sync_name="grpo")
+    assert trainer._lora_name == "grpo"  # the rollout worker requests grpo-v<N>
+    for n in (1, 2, 3):
+        with torch.no_grad():  # a training step between syncs
+            next(p for p in trainer.model.parameters() if p.requires_grad).add_(0.01)
+        trainer._sync_weight()
+        assert trainer.model_version == n == trainer.rollout_worker.model_version
+        assert client.complete(PROMPT, f"grpo-v{n}")["text"] == served_text(trainer.model)
+    assert held(client, "grpo") == [1, 2, 3]
+    assert [r.transport for [r] in trainer.lora_sync_pushes] == ["shm"] * 3  # same host
+    assert not (tmp_path / "a" / ".vllm_lora").exists()
+
+    restarted = trainer_for(model_dir, tmp_path / "b", [server.url], server.api_key,
+                            lora_sync_name="grpo", lora_sync_transport="broadcast")
+    restarted._sync_weight()  # a fresh trainer (model_version 0): above the server's 3
+    assert restarted.model_version == 4 == restarted.rollout_worker.model_version
+    [r] = restarted.lora_sync_pushes[0]
+    assert r.name == "grpo-v4" and r.transport == "broadcast"
+    assert client.complete(PROMPT, "grpo")["version"] == 4
+
+    resumed = trainer_for(model_dir, tmp_path / "c", [server.url], server.api_key,
+                          lora_sync_name="grpo")
+    resumed.model_version = 9  # what TRL reads from a checkpoint's rollout_state.json
+    resumed._sync_weight()
+    assert resumed.model_version == 10 and held(client, "grpo")[-1] == 10
+    for t in (trainer, restarted, resumed):
+        t.lora_sync_client.close()
+    client.close()
+
+
+def test_sglang_rollouts_disable_top_k_the_sglang_way(model_dir, tmp_path, make_fake_server):
+    """TRL disables top-k with 0, which SGLang refuses (400); the worker sends args.top_k."""
+    from lora_sync import Server
+    server = make_fake_server()
+    trainer = trainer_for(model_dir, tmp_path, [Server(server.url, "vllm")], server.api_key,
+                          lora_sync_engine="sglang", config={"vllm_server_base_url": server.url})
+    assert trainer.args.top_k == -1
+    trainer.lora_sync_client.close()
+
+
+def test_callback_pushes_every_n_steps(model_dir, tmp_path, make_fake_server):
+    from transformers import Trainer
+
+    from lora_sync.integrations.transformers import LoRASyncCallback
+    server = make_fake_server()
+    seen = {}
+    sync = LoRASyncCallback(server.url, "hf", every_n_steps=2, api_key=server.api_key,
+                            step_versions=True)
+    trainer = Trainer(model=peft_model(model_dir), args=hf_args(tmp_path, max_steps=5),
+                      train_dataset=lm_dataset(model_dir),
+                      callbacks=[sync, Probe(lambda step, model: seen.update(
+                          {step: (served_text(model), sync.client.complete(PROMPT, "hf"))}))])
+    trainer.train()
+    assert [(p["step"], p["served"]) for p in sync.pushes] == [(2, "hf-v2"), (4, "hf-v4"),
+                                                               (5, "hf-v5")]  # + train end
+    for step in (2, 4):  # right after the push, the alias serves that step's weights
+        text, reply = seen[step]
+        assert reply["text"] == text and reply["version"] == step
+    assert seen[2][0] != seen[4][0]
+    with pytest.raises(ValueError, match="every_n_steps"):
+        LoRASyncCallback(server.url, "hf", every_n_steps=0)
+
+
+# -- transformers.Trainer helpers -----------------------------------------------------------
+def peft_model(model_dir):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora())
+
+
+def lm_dataset(model_dir):
+    tok = tokenizer(model_dir)
+    ids = [tok(p + " the end")["input_ids"][:8] for p in PROMPTS]
+    ids = [x + [tok.eos_token_id] * (8 - len(x)) for x in ids]
+    return [{"input_ids": torch.tensor(x), "labels": torch.tensor(x)} for x in ids]
+
+
+def hf_args(out_dir, **kw):
+    from transformers import TrainingArguments
+    return TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=3,
+                             learning_rate=5e-2, report_to="none", save_strategy="no",
+                             use_cpu=True, disable_tqdm=True, logging_strategy="no", **kw)
+
+
+class Probe:
+    """A callback after LoRASyncCallback: `fn(step, model)` at every step it pushed."""
+
+    def __new__(cls, fn):
+        from transformers import TrainerCallback
+
+        class _Probe(TrainerCallback):
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                if state.global_step % 2 == 0:
+                    fn(state.global_step, model)
+        return _Probe()
+
+
+# -- real vLLM server -----------------------------------------------------------------------
+class RecordingProxy:
+    """Forwards HTTP to `upstream` and records every /v1/completions request's model with the
+    reply's status, X-LoRA-Version and model: what TRL's rollout worker asked and got."""
+
+    def __init__(self, upstream: str):
+        up = urlsplit(upstream)
+        self.calls: list[dict] = []
+        calls = self.calls
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                reply = conn.getresponse()
+                data = reply.read()
+                if self.path.startswith("/v1/completions"):
+                    calls.append({"model": json.loads(body).get("model"),
+                                  "status": reply.status,
+                                  "version": reply.getheader("X-LoRA-Version"),
+                                  "served": json.loads(data).get("model")
+                                  if reply.status == 200 else None})
+                self.send_response(reply.status)
+                for k, v in reply.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection",
+                                         "date", "server"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the rollout worker stopped waiting (it is being shut down)
+                conn.close()
+
+            do_GET = do_POST = _forward
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RecordingQueue:
+    """Stands in for the trainer's rollout queue: records each sample the trainer takes."""
+
+    def __init__(self, queue):
+        self.queue, self.taken = queue, []
+
+    def get(self, *args, **kwargs):
+        sample = self.queue.get(*args, **kwargs)
+        self.taken.append(sample)
+        return sample
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+
+GRPO_STEPS = 8
+
+
+# A failed rollout worker leaves TRL's stop() waiting for ever (a dead child never wakes the
+# stop event's condition): the timeout bounds that, about 30 s is the normal run.
+@pytest.mark.timeout(180)
+def test_async_grpo_trains_through_lora_sync(vllm, model_dir, tmp_path):
+    """TRL's AsyncGRPOTrainer, changed by its import only, against the real vLLM server: every
+    completion its rollout worker requested was served by exactly the version it named, one
+    the trainer pushed; every sample trained on came from such a version; nothing on disk;
+    the last version serves the trainer's final weights (log-probs agree). The reward is
+    printed, not asserted: 8 steps are too few for it to rise reliably (see test_rl_loop)."""
+    from examples.rl_loop import logprob_mismatch, token_logprobs
+    from peft import set_peft_model_state_dict
+
+    from lora_sync import LoRAAdapter
+    name = "trl-grpo"
+    with RecordingProxy(vllm.url) as proxy:
+        trainer = trainer_for(model_dir, tmp_path, [vllm.url], vllm.api_key,
+                              lora_sync_name=name,
+                              config={"vllm_server_base_url": proxy.url,
+                                      "max_steps": GRPO_STEPS,
+                                      "per_device_train_batch_size": 32, "num_generations": 8})
+        queue = trainer.rollout_queue = RecordingQueue(trainer.rollout_queue)
+        client = trainer.lora_sync_client
+        try:
+            trainer.train()
+            final = client.completions(model=f"{name}-v{trainer.model_version}", prompt=PROMPT,
+                                       max_tokens=8, temperature=0.0, logprobs=1,
+                                       return_token_ids=True)
+        finally:
+            client.retire(name)
+            client.close()
+    pushed = [r.version for [r] in trainer.lora_sync_pushes]
+    # the initial policy, then one version per step
+    assert pushed == list(range(pushed[0], pushed[0] + GRPO_STEPS + 1))
+    assert trainer.model_version == pushed[-1] == final["served_version"]
+    assert proxy.calls and all(c["status"] == 200 for c in proxy.calls), proxy.calls[:5]
+    for c in proxy.calls:  # served by exactly the version the worker named
+        assert c["served"] == c["model"] == f"{name}-v{c['version']}", c
+    requested = {int(c["version"]) for c in proxy.calls}
+    assert requested <= set(pushed) and len(requested) > 2
+    taken = {s.model_version for s in queue.taken}
+    assert taken <= requested, (taken, requested)
+    assert not (tmp_path / ".vllm_lora").exists()
+    # The newest version is the trainer's final adapter: the server's log-probs of its greedy
+    # completion are the trainer's own (a fresh model with the trainer's LoRA weights).
+    policy = peft_model(model_dir)
+    set_peft_model_state_dict(policy, LoRAAdapter.from_peft_model(trainer.model).tensors)
+    choice = final["choices"][0]
+    with torch.no_grad():
+        mine = token_logprobs(policy, [(choice["prompt_token_ids"], choice["token_ids"])])
+    mismatch = logprob_mismatch(mine, [choice["logprobs"]["token_logprobs"]])
+    rewards = [s.metrics["reward"] for s in queue.taken]
+    third = len(rewards) // 3
+    first, last = (sum(r) / len(r) for r in (rewards[:third], rewards[-third:]))
+    print(f"\nTRL AsyncGRPO via lora-sync: {GRPO_STEPS} steps, {len(rewards)} samples, reward "
+          f"first third {first:.3f} -> last third {last:.3f}; versions requested "
+          f"{sorted(requested)}; final version's log-prob mismatch {mismatch:.1e}")
+    assert mismatch < 1e-3
+
+
+@pytest.mark.timeout(180)
+def test_callback_pushes_what_disk_serves(vllm, model_dir, tmp_path):
+    """After step N the server's greedy output for the name equals the adapter saved at step N
+    and loaded by the engine from disk."""
+    from transformers import Trainer
+
+    from lora_sync.integrations.transformers import LoRASyncCallback
+    name, seen = "hf-cb", {}
+    sync = LoRASyncCallback(vllm.url, name, every_n_steps=2, api_key=vllm.api_key)
+    client = sync.client
+
+    def probe(step, model):
+        model.save_pretrained(tmp_path / f"step-{step}")
+        reply = client.complete(PROMPT, name, 12, logprobs=1)
+        seen[step] = (reply["text"], reply["version"], logprobs(reply))
+
+    trainer = Trainer(model=peft_model(model_dir), args=hf_args(tmp_path / "out", max_steps=4),
+                      train_dataset=lm_dataset(model_dir), callbacks=[sync, Probe(probe)])
+    try:
+        trainer.train()
+        assert [p["step"] for p in sync.pushes] == [2, 4]
+        base = logprobs(client.complete(PROMPT, "base", 12, logprobs=1))
+        for step, (text, version, lps) in seen.items():
+            assert version == sync.pushes[step // 2 - 1]["version"]
+            served = f"{name}-disk{step}"
+            client.load_from_disk(str(tmp_path / f"step-{step}"), served)
+            try:
+                reply = client.complete(PROMPT, disk_model(client, served), 12, logprobs=1)
+            finally:
+                client.unload_from_disk(served)
+            assert text == reply["text"]
+            assert max(abs(a - b) for a, b in zip(lps, logprobs(reply))) < 1e-4
+            assert max(abs(a - b) for a, b in zip(lps, base)) > 1e-3  # a trained adapter
+        assert seen[2][0] != seen[4][0] or seen[2][2] != seen[4][2]
+    finally:
+        client.retire(name)
+        client.close()
+
+
+def logprobs(reply) -> list[float]:
+    return reply["raw"]["choices"][0]["logprobs"]["token_logprobs"]
