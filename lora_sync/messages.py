@@ -80,8 +80,12 @@ class WorkerReply:
 
 
 def check_replies(raw: list) -> list[WorkerReply]:
-    """The workers' replies, typed; the first refusal raised as its LoRASyncError."""
-    replies = [WorkerReply.from_json(r) for r in raw]
+    """The workers' replies as the engine's RPC carried them, typed and checked."""
+    return raise_refusals([WorkerReply.from_json(r) for r in raw])
+
+
+def raise_refusals(replies: list[WorkerReply]) -> list[WorkerReply]:
+    """`replies`, once none is a refusal; else the first refusal as its LoRASyncError."""
     for r in replies:
         r.raise_error()
     return replies

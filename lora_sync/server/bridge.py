@@ -6,7 +6,7 @@ import secrets
 from abc import ABC, abstractmethod
 
 from ..adapter import ModelSpec
-from ..messages import WorkerReply, check_replies
+from ..messages import WorkerReply, raise_refusals
 from ..notices import notice_paths, wait_notices
 
 
@@ -54,7 +54,7 @@ class EngineBridge(ABC):
         missing after `wait_s` is a TransferFailed."""
         notices = notice_paths(await self.worker_count())
         await self.call_workers(op, notice_paths=notices, **args)
-        return check_replies([r.to_json() for r in await wait_notices(notices, wait_s)])
+        return raise_refusals(await wait_notices(notices, wait_s))
 
     async def worker_status(self) -> list[dict]:
         """One dict per worker: rank, world_size, the adapter ids it holds/caches, groups."""
