@@ -80,9 +80,37 @@ def sync_once(client: LoRASyncClient, transport: str, adapter: LoRAAdapter, name
         return served, {"serialise": t1 - t0, "load": t2 - t1, "total": t2 - t0}
     [res] = client.push(adapter, name, transport=transport)
     total = time.perf_counter() - t0
-    phases = {k: v / 1e3 for k, v in res.reply["timings_ms"].items()}
-    phases["total"] = total
-    return res.name, phases
+    return res.name, attribute({k: v / 1e3 for k, v in res.reply["timings_ms"].items()},
+                               res.seconds, total)
+
+
+SERVER_PHASES = ("settle", "receive", "wait", "worker", "handoff", "register")
+WORKER_PARTS = ("intake", "checks", "build")
+TRAINER_CALLS = ("lease", "write")  # shm's steps before its last call
+
+
+def attribute(timings: dict, calls_s: float, total_s: float) -> dict:
+    """A push's wall time as phases that add up to it (seconds). Measured: the server's
+    phases and the worker's parts (the reply's timings), the trainer's calls (`calls_s`:
+    from its first request to the last reply). Derived, each a named remainder: `client`
+    (the trainer's own work around its calls: encoding, threads, the copy it keeps),
+    `http` (the last call's round trip beyond the server's own time), `worker_other` and
+    `server_other` (the server's time outside its phases: checks of the header, reply)."""
+    phases = {k: timings.get(k, 0.0) for k in TRAINER_CALLS if k in timings}
+    phases["client"] = total_s - calls_s
+    phases["http"] = calls_s - sum(phases.get(k, 0.0) for k in TRAINER_CALLS) \
+        - timings["server"]
+    for k in SERVER_PHASES:
+        if k == "worker":
+            phases.update({p: timings.get(p, 0.0) for p in WORKER_PARTS})
+            phases["worker_other"] = timings["worker"] - sum(timings.get(p, 0.0)
+                                                             for p in WORKER_PARTS)
+        else:
+            phases[k] = timings.get(k, 0.0)
+    phases["server_other"] = timings["server"] - sum(timings.get(k, 0.0)
+                                                     for k in SERVER_PHASES)
+    phases["total"] = total_s
+    return phases
 
 
 def first_completion_s(client, served: str, transport: str) -> float:
@@ -287,6 +315,9 @@ def summarize(samples: list[dict]) -> list[dict]:
                      "min_s": min(totals), "max_s": max(totals),
                      "mb_per_s": group[0]["bytes"] / 1e6 / _median(totals),
                      "phases_s": phases,
+                     # The median phases' sum against the median wall time (1.0: all of it).
+                     "attributed": sum(v for k, v in phases.items() if k != "total")
+                     / _median(totals),
                      "cold_s": _median([s["phases"]["total"] for s in every if s.get("cold")]),
                      "first_completion_s": _median([s.get("first_completion_s") for s in group
                                                     if s.get("first_completion_s")])})
@@ -304,7 +335,7 @@ def summarize(samples: list[dict]) -> list[dict]:
                                         "max": max(ratios), "rounds": len(ratios)}
         disk = med.get((engine, "disk", rank), {}).get("total")
         tens = med.get((engine, "tensors", rank), {})
-        registration = tens.get("worker", 0) + tens.get("register", 0)
+        registration = sum(tens.get(k, 0) for k in (*WORKER_PARTS, "worker_other", "register"))
         if row["engine"] != "raw" and disk:
             row["speedup_over_disk"] = disk / row["median_s"]
         for raw, key in LIMITS.get(row["transport"], ()):
@@ -333,7 +364,7 @@ def _spread(per_round: dict | None) -> str:
 def print_table(rows: list[dict]) -> str:
     head = (f"{'engine':7} {'transport':15} {'rank':>4} {'MB':>7} {'median':>8} {'min':>8} "
             f"{'max':>8} {'MB/s':>7} {'vs disk [per-round min-max]':>27} {'x limit':>7} "
-            f"{'cold':>8} {'1st compl':>9}"
+            f"{'cold':>8} {'1st compl':>9} {'attrib':>6}"
             "  phases (median ms)")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -344,7 +375,9 @@ def print_table(rows: list[dict]) -> str:
             f"{r['mb_per_s']:7.0f} {_cell(r.get('speedup_over_disk'), '6.2f', 'x')}"
             f"{_spread(r.get('speedup_per_round'))} "
             f"{_cell(r.get('x_limit'), '6.2f', 'x')} {_cell(r['cold_s'], '6.1f', 'ms', 1e3)} "
-            f"{_cell(r['first_completion_s'], '7.0f', 'ms', 1e3)}  {ph}")
+            f"{_cell(r['first_completion_s'], '7.0f', 'ms', 1e3)} "
+            f"{_cell(r.get('attributed') if r['engine'] != 'raw' else None, '5.0f', '%', 100)}"
+            f"  {ph}")
     text = "\n".join(lines)
     print(text)
     return text

@@ -133,21 +133,21 @@ class StagingArea:
 
 async def _paced(chunks, limits: BodyLimits, nbytes: int):
     """The non-empty chunks of `chunks`, failing when the client pauses longer than
-    `idle_s` or falls behind `min_rate` (a stalled upload must not hold its bytes forever)."""
-    deadline = limits.deadline(nbytes)
-    stream = chunks.__aiter__()
-    while True:
-        wait = min(limits.idle_s, deadline - time.monotonic())
-        try:
-            chunk = await asyncio.wait_for(stream.__anext__(), max(wait, 0.0))
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise TimedOut(f"the body arrived too slowly (no data for {limits.idle_s:g} s, or "
-                           f"below {limits.min_rate / 2 ** 20:g} MB/s); the upload was dropped",
-                           code="body_timeout") from None
-        if chunk:
-            yield chunk
+    `idle_s` or falls behind `min_rate` (a stalled upload must not hold its bytes forever).
+    One timeout, moved on at each chunk: a timer per chunk (wait_for) cost more than the
+    chunk's own write on a 70 MB body."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (limits.deadline(nbytes) - time.monotonic())
+    try:
+        async with asyncio.timeout(min(loop.time() + limits.idle_s, deadline)) as window:
+            async for chunk in chunks:
+                window.reschedule(min(loop.time() + limits.idle_s, deadline))
+                if chunk:
+                    yield chunk
+    except TimeoutError:
+        raise TimedOut(f"the body arrived too slowly (no data for {limits.idle_s:g} s, or "
+                       f"below {limits.min_rate / 2 ** 20:g} MB/s); the upload was dropped",
+                       code="body_timeout") from None
 
 
 def discard(path: str) -> None:

@@ -102,6 +102,7 @@ class FakeWorkerEngine(WorkerEngine):
     """One fake engine worker. `refuse(adapter_id, stored) -> reason or None` lets a test
     make the engine refuse an adapter at build (a ValueError, as a real engine's loader
     raises); by default it refuses nothing."""
+    maps_read_only = True  # it only hashes the weights: a sealed lease is mapped, as on vLLM
 
     def __init__(self, rank: int = 0, world_size: int = 1, refuse=None):
         self._rank = (rank, world_size)
@@ -113,7 +114,7 @@ class FakeWorkerEngine(WorkerEngine):
     def rank(self) -> tuple[int, int]:
         return self._rank
 
-    def build(self, adapter_id: int, stored):
+    def build(self, adapter_id: int, stored, take_buffer):
         if self.refuse is not None:
             reason = self.refuse(adapter_id, stored)
             if reason:

@@ -325,3 +325,57 @@ def test_benchmark_ratios_are_taken_per_round_against_that_rounds_disk_sync():
     [shm] = [r for r in summarize(samples) if r["transport"] == "shm"]
     assert shm["speedup_per_round"] == {"median": 2.0, "min": 0.5, "max": 3.0, "rounds": 3}
     assert shm["speedup_over_disk"] == 3.0 / 2.0  # median disk over median shm
+
+
+@pytest.mark.parametrize("stall", ["pause", "too_slow"])
+def test_a_stalled_body_times_out_and_a_steady_one_passes(stall):
+    """staging._paced: one timeout moved on at each chunk bounds both a pause (idle_s) and
+    a body that trickles below min_rate; a steady body passes whole."""
+    import asyncio
+
+    from lora_sync.errors import TimedOut
+    from lora_sync.staging import BodyLimits, _paced
+
+    limits = BodyLimits(max_body=1 << 20, max_inflight=1 << 20, idle_s=0.3,
+                        min_rate=1 << 20, grace_s=0.2)
+
+    async def body(gaps):
+        for gap in gaps:
+            await asyncio.sleep(gap)
+            yield b"x" * 1024
+
+    async def read(gaps):
+        return [c async for c in _paced(body(gaps), limits, 1 << 20)]
+    assert len(asyncio.run(read([0.01] * 20))) == 20
+    gaps = [0.0, 0.5] if stall == "pause" else [0.2] * 10  # each gap below idle_s
+    with pytest.raises(TimedOut) as e:
+        asyncio.run(read(gaps))
+    assert e.value.code == "body_timeout"
+
+
+def test_fleet_memory_keeps_what_was_pushed_in_reused_buffers(make_adapter):
+    """FleetMemory: the copy kept for a resync is the bytes as pushed, whatever the trainer
+    does to its tensors after; the copy a newer version replaces is the next snapshot's
+    buffer; a resync gets copies no later snapshot can overwrite; a failed retry never hands
+    the newest copy out as a spare."""
+    from lora_sync.trainer.fleet import FleetMemory
+    memory, adapter = FleetMemory(), make_adapter(seed=21)
+    pushed = {k: t.clone() for k, t in adapter.tensors.items()}
+    first = memory.snapshot("p", adapter)
+    memory.pushed("p", 1, first)
+    for t in adapter.tensors.values():
+        t.add_(1.0)  # the optimizer step after the push
+    assert all(torch.equal(first.adapter.tensors[k], pushed[k]) for k in pushed)
+    second = memory.snapshot("p", adapter)
+    memory.pushed("p", 2, second)
+    [(name, lent)] = memory.newest_copies(lambda name, version: True)
+    assert (name, lent.version) == ("p", 2)
+    third = memory.snapshot("p", adapter)
+    assert third.flat.data_ptr() == first.flat.data_ptr()  # v1's buffer, reused
+    assert all(torch.equal(lent.adapter.tensors[k], adapter.tensors[k]) for k in pushed)
+    assert all(lent.adapter.tensors[k].data_ptr() != t.data_ptr()
+               for k, t in third.adapter.tensors.items())
+    memory.pushed("p", 3, third)  # a retry's first try took it ...
+    memory.unused("p", third)     # ... and its second try failed everywhere
+    assert memory.snapshot("p", adapter).flat.data_ptr() != third.flat.data_ptr()
+    assert memory.newest_copies(lambda name, version: version > 3) == []

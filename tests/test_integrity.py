@@ -8,22 +8,25 @@ radix caching on as the engines default):
   ownership    a broadcast group loads only for the client that created it;
   framing      a broadcast that is not what was declared is a 400, the server lives and the
                previous version keeps serving.
-Plus a stateful, model-based fuzz test (hypothesis) whose invariants are checked after every
-step: the server is alive, every reply is the version it names (or a 404), and no name of
-ours resolves to another model. LORA_SYNC_FUZZ_STEPS makes it longer (default: CI-sized)."""
+Plus a stateful, model-based fuzz test (hypothesis) of pushes on every transport, lying
+broadcasts, retires and requests, whose invariants are checked after every step: the server
+is alive, every reply is the version it names (its tokens equal the same weights loaded from
+disk) or a 404, no name of ours resolves to another model, and descriptors and memory stay
+bounded. LORA_SYNC_FUZZ_STEPS makes it longer (default: CI-sized)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lora_sync import LoRASyncClient, LoRASyncError, collective, http
 
 from .conftest import SERVER_ENV
-from .helpers import AUTH, greedy, versions_of
+from .helpers import AUTH, disk_model, greedy, versions_of
 
 # Long enough to fill whole KV blocks, so a cache hit would be used.
 LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)
@@ -33,13 +36,38 @@ def long_greedy(client, model):
     return greedy(client, model, LONG_PROMPT, 8)
 
 
-def fresh_output(client, adapter, tag):
-    """What a never-used name with these weights serves."""
-    name = f"fresh-{tag}-{time.monotonic_ns() % 10 ** 9}"
-    client.push(adapter, name, transport="tensors")
-    out = long_greedy(client, name)
-    client.retire(name)
-    return out
+def disk_output(client, adapter, tag, tmp_path):
+    """The reference: what the engine's own disk route serves for these weights, under a
+    name never used before."""
+    name = f"disk-{tag}-{time.monotonic_ns() % 10 ** 9}"
+    adapter.save(tmp_path / name)
+    client.load_from_disk(str(tmp_path / name), name)
+    try:
+        return long_greedy(client, disk_model(client, name))
+    finally:
+        client.unload_from_disk(name)
+
+
+@contextlib.contextmanager
+def sending_instead(sent):
+    """The trainer declares one adapter and sends `sent`'s tensors (a lying broadcast)."""
+    real = collective.send_transfer
+
+    def send_other(group, transfer, tensors, kept, *a, **k):
+        other = collective.Transfer.plan(sent.specs(), transfer.transfer_id,
+                                         transfer.bucket_bytes)
+        return real(group, other, sent.tensors, kept, *a, **k)
+    collective.send_transfer = send_other
+    try:
+        yield
+    finally:
+        collective.send_transfer = real
+
+
+def drop_refused_group(client):
+    """The server dropped the group after the lie; the trainer's end goes too."""
+    client._group.pg.shutdown()
+    client._group = None
 
 
 def wait_drained(client, name, timeout_s=30):
@@ -51,9 +79,9 @@ def wait_drained(client, name, timeout_s=30):
     raise AssertionError(f"{name} still listed after {timeout_s}s")
 
 
-def test_a_name_that_comes_back_never_meets_old_cache(client, server, make_adapter):
+def test_a_name_that_comes_back_never_meets_old_cache(client, server, make_adapter, tmp_path):
     a, b = make_adapter(seed=301), make_adapter(seed=302)
-    expect_b = fresh_output(client, b, "b")
+    expect_b = disk_output(client, b, "b", tmp_path)
     client.push(a, "kvback", transport="tensors")
     out_a = long_greedy(client, "kvback")
     assert long_greedy(client, "kvback") == out_a  # now cached under v1's identity
@@ -111,9 +139,11 @@ def test_sglang_extra_key_cannot_reach_our_cache_keys(sglang):
     assert status == 400 and "extra_key" in reply["error"]["message"]
 
 
+LIE_REFUSED = ("transfer_mismatch", "transfer_failed", "push_failed")
+
+
 @pytest.mark.parametrize("lie", ["bigger", "smaller"])
-def test_a_broadcast_that_lies_about_its_size_is_refused(client, server, make_adapter,
-                                                         monkeypatch, lie):
+def test_a_broadcast_that_lies_about_its_size_is_refused(client, server, make_adapter, lie):
     """The trainer declares one adapter and sends another (rank 16 vs 8): the workers see
     the header disagree before posting any bucket receive."""
     client.init_group(timeout_s=10)
@@ -122,21 +152,12 @@ def test_a_broadcast_that_lies_about_its_size_is_refused(client, server, make_ad
     declared, sent = make_adapter(seed=341, rank=8), make_adapter(seed=342, rank=16)
     if lie == "smaller":
         declared, sent = sent, declared
-    real = collective.send_transfer
-
-    def send_other(group, transfer, tensors, kept, *a, **k):
-        other = collective.Transfer.plan(sent.specs(), transfer.transfer_id,
-                                         transfer.bucket_bytes)
-        return real(group, other, sent.tensors, kept, *a, **k)
-    monkeypatch.setattr(collective, "send_transfer", send_other)
-    with pytest.raises(LoRASyncError) as e:
+    with sending_instead(sent), pytest.raises(LoRASyncError) as e:
         client.broadcast(declared, "liar")
-    assert e.value.code in ("transfer_mismatch", "transfer_failed", "push_failed"), e.value
-    monkeypatch.setattr(collective, "send_transfer", real)
+    assert e.value.code in LIE_REFUSED, e.value
     assert server.alive()
     assert greedy(client, "liar") == before and versions_of(client, "liar") == [1]
-    client._group.pg.shutdown()
-    client._group = None
+    drop_refused_group(client)
     client.init_group(timeout_s=10)  # a new group works
     client.broadcast(make_adapter(seed=343), "liar")
     assert versions_of(client, "liar")[-1] == 2
@@ -151,14 +172,22 @@ KEEP = int(SERVER_ENV["LORA_SYNC_KEEP_VERSIONS"])
 NAMES = ("fz-a", "fz-b")
 
 
+def resources(server) -> tuple[int, int]:
+    """(open descriptors of the API process, RSS of the server's processes)."""
+    return len(os.listdir(f"/proc/{server.proc.pid}/fd")), server.rss_bytes()
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_random_operation_sequences_keep_the_invariants(request, make_adapter, engine):
+def test_random_operation_sequences_keep_the_invariants(request, make_adapter, engine,
+                                                        tmp_path):
     server = request.getfixturevalue(engine)
     client = LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key)
     adapters = {s: make_adapter(seed=s) for s in SEEDS}
-    expected = {s: fresh_output(client, adapters[s], f"fz{s}") for s in SEEDS}
+    expected = {s: disk_output(client, adapters[s], f"fz{s}", tmp_path) for s in SEEDS}
     base = long_greedy(client, "base")
     transports = ["tensors", "shm"] + (["broadcast"] if engine == "vllm" else [])
+    liar = make_adapter(seed=409, rank=16)  # what a lying broadcast sends
+    fds0, rss0 = resources(server)
 
     class Fuzz(RuleBasedStateMachine):
         @initialize()
@@ -182,6 +211,17 @@ def test_random_operation_sequences_keep_the_invariants(request, make_adapter, e
             for old in sorted(versions)[:-KEEP]:
                 del versions[old]
             self.retired.discard(name)
+
+        @precondition(lambda self: "broadcast" in transports)
+        @rule(name=st.sampled_from(NAMES), seed=st.sampled_from(SEEDS))
+        def lying_broadcast(self, name, seed):
+            """Declares one adapter, sends another: refused, and nothing changes."""
+            if client._group is None:
+                client.init_group(timeout_s=20)
+            with sending_instead(liar), pytest.raises(LoRASyncError) as e:
+                client.push(adapters[seed], name, transport="broadcast")
+            assert e.value.code in LIE_REFUSED, e.value
+            drop_refused_group(client)
 
         @rule(name=st.sampled_from(NAMES))
         def retire(self, name):
@@ -213,6 +253,14 @@ def test_random_operation_sequences_keep_the_invariants(request, make_adapter, e
         @invariant()
         def alive(self):
             assert server.alive(), server.log_tail()
+
+        @invariant()
+        def bounded(self):
+            # A few versions of two names are held at most: descriptors and memory that
+            # grow step after step are a leak.
+            fds, rss = resources(server)
+            assert fds <= fds0 + 64, (fds0, fds)
+            assert rss <= rss0 + (768 << 20), (rss0, rss)
 
     Fuzz.TestCase.settings = settings(
         max_examples=2, stateful_step_count=FUZZ_STEPS, deadline=None,

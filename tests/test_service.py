@@ -383,6 +383,20 @@ def test_retired_names_are_404_and_come_back_from_v1(fake_server, fake_client, m
         assert greedy(other, "gone") == served_text(a)
 
 
+def test_registration_identities_never_repeat_across_starts():
+    """The identity rule's restart half (a server restart is a new API process, so a new
+    bridge): every registration's identity, the key the engine caches by, is new to the
+    engine, within a start and across starts, and not guessable from the adapter id."""
+    from .engine_fakes import FakeBridge
+    seen = set()
+    for _start in range(3):
+        bridge = FakeBridge()
+        ids = [bridge.identity(adapter_id) for adapter_id in range(1, 50)]
+        assert len(set(ids)) == len(ids) and not seen & set(ids)
+        assert all(len(i.split("-")[0]) == 16 for i in ids)  # a 64-bit secret nonce
+        seen |= set(ids)
+
+
 @pytest.mark.parametrize("busy", ["newest", "older", "engine-only"])
 def test_a_push_right_after_retire_while_a_version_drains(fake_server, fake_client,
                                                           make_adapter, busy):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
+
 from lora_sync.server.pins import require_supported
 
 LORA_PATH_SCHEME = "lora-sync://"  # marks our adapters' paths: never read from disk
@@ -83,6 +85,10 @@ TOUCHED = (
     "vllm.lora.lora_model:LoRAModel.from_lora_tensors(*, lora_model_id, tensors, peft_helper,"
     " device, dtype, model_vocab_size, weights_mapper, skip_prefixes)",
     "vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper()",
+    "vllm.lora.lora_model:LoRAModel.loras",
+    "vllm.lora.lora_weights:LoRALayerWeights.lora_b",
+    "vllm.lora.lora_weights:LoRALayerWeights.scaling",
+    "vllm.lora.lora_weights:LoRALayerWeights.optimize()",
 )
 
 
@@ -250,6 +256,31 @@ def build_lora_model(manager, lora_int_id: int, tensors: dict, config: dict):
     for check in release()["lora_checks"]:
         getattr(manager._adapter_manager, check)(lora)
     return lora
+
+
+def fold_scaling(lora, take_buffer=None) -> list:
+    """vLLM's `LoRALayerWeights.optimize` (lora_B *= scaling, then scaling 1), done at
+    intake: in place, or with `take_buffer(dtype, numel)` into a buffer of ours when the
+    tensors view read-only memory (a mapped shm lease). vLLM's own optimize at registration
+    is then a no-op, so it never writes the tensors. Returns the buffers taken."""
+    layers = [w for w in lora.loras.values()
+              if w.lora_b is not None and isinstance(w.scaling, (int, float)) and w.scaling != 1]
+    if take_buffer is None:
+        for w in layers:
+            w.optimize()
+        return []
+    taken = []
+    for dtype in {w.lora_b.dtype for w in layers}:
+        mine = [w for w in layers if w.lora_b.dtype == dtype]
+        flat = take_buffer(dtype, sum(w.lora_b.numel() for w in mine))
+        offset = 0
+        for w in mine:
+            out = flat[offset:offset + w.lora_b.numel()].view(w.lora_b.shape)
+            torch.mul(w.lora_b, w.scaling, out=out)  # the same product optimize() makes
+            w.lora_b, w.scaling = out, 1
+            offset += out.numel()
+        taken.append(flat)
+    return taken
 
 
 def install_memory_loader(manager, lookup) -> None:

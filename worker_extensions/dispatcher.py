@@ -6,6 +6,7 @@ the replies — is here, once. Ops take keyword arguments only, the same on both
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 
 from lora_sync.errors import BadAdapter
@@ -19,14 +20,22 @@ from .receiver import StoredAdapter, WorkerState, check_intake, engine_refusal
 class WorkerEngine(ABC):
     """What one engine's worker process supplies."""
 
+    # True when the engine never writes the tensors `build` gets (its in-place steps are
+    # done into buffers of its own): then they may view read-only memory, and a sealed shm
+    # lease is mapped instead of copied. A write there would kill the worker, so only an
+    # engine whose every step on them is known says so.
+    maps_read_only: bool = False
+
     @abstractmethod
     def rank(self) -> tuple[int, int]:
         """(rank, world_size) of this worker among the server's workers."""
 
     @abstractmethod
-    def build(self, adapter_id: int, stored: StoredAdapter):
+    def build(self, adapter_id: int, stored: StoredAdapter, take_buffer):
         """Runs when an adapter arrives, so a bad one fails before it is published; returns
-        what to keep as `stored.built` (ValueError: the engine refuses the adapter)."""
+        what to keep as `stored.built` (ValueError: the engine refuses the adapter).
+        `take_buffer(dtype, numel)`: a reused buffer, for what it must not do in place
+        (`stored.read_only`); add what it takes to `stored.buffers`."""
 
     def register(self, adapter_id: int, stored: StoredAdapter, lora_id: str) -> None:
         """Hands the adapter to the engine, for engines that register inside the worker,
@@ -44,7 +53,7 @@ class WorkerEngine(ABC):
 class LoRASyncWorker:
     def __init__(self, engine: WorkerEngine):
         self.engine = engine
-        self.state = WorkerState()
+        self.state = WorkerState(map_sealed=engine.maps_read_only)
         self._background_locks: dict[str, threading.Lock] = {}
         self.ops = {"info": self.info, "intake": self.intake, "register": self.register,
                     "free": self.free, "init_group": self.init_group,
@@ -75,13 +84,20 @@ class LoRASyncWorker:
         rank, self.state.world_size = self.engine.rank()
 
         def work() -> dict:
+            t0 = time.perf_counter()
             received = transport.receive(intake, self.state)
+            t1 = time.perf_counter()
             check_intake(received.tensors, intake.checksum)
             stored = StoredAdapter(received.tensors, intake.config, received.nbytes,
-                                   buffers=received.buffers)
-            stored.built = engine_refusal(self.engine.build, intake.adapter_id, stored)
+                                   buffers=received.buffers, read_only=received.read_only)
+            t2 = time.perf_counter()
+            stored.built = engine_refusal(self.engine.build, intake.adapter_id, stored,
+                                          lambda dtype, n: self.state.take_buffer(dtype, n,
+                                                                                  "cpu"))
             self.state.adapters[intake.adapter_id] = stored
-            return {"bytes": stored.nbytes}
+            return {"bytes": stored.nbytes,
+                    "timings_ms": {"intake": (t1 - t0) * 1e3, "checks": (t2 - t1) * 1e3,
+                                   "build": (time.perf_counter() - t2) * 1e3}}
         if notice_paths is None:
             return work()
         self._in_background(intake.args.get("group_name", intake.transport),

@@ -25,7 +25,8 @@ class StoredAdapter:
     config: dict
     nbytes: int
     built: object = None  # the engine's LoRA model object, built once at intake
-    buffers: list = field(default_factory=list)  # the broadcast buckets the tensors view
+    buffers: list = field(default_factory=list)  # reused buffers the tensors view
+    read_only: bool = False  # the tensors view a read-only mapping: build must not write them
 
 
 @dataclass
@@ -41,6 +42,9 @@ class WorkerState:
     # A busy version is freed when its last request ends, maybe while a receive runs.
     spare_lock: threading.Lock = field(default_factory=threading.Lock)
     world_size: int = 1  # workers of this server (a body with one reader is mapped shared)
+    # The engine never writes the tensors it is given (WorkerEngine.maps_read_only): a
+    # sealed lease is then mapped read-only instead of copied.
+    map_sealed: bool = False
 
     def take_buffer(self, dtype: torch.dtype, numel: int, device: str) -> torch.Tensor:
         """A buffer to receive into: the spare of that shape if there is one."""

@@ -18,7 +18,7 @@ class SGLangWorkerEngine(WorkerEngine):
     def rank(self):
         return engine_api.scheduler_rank(self.scheduler)
 
-    def build(self, adapter_id: int, stored: StoredAdapter):
+    def build(self, adapter_id: int, stored: StoredAdapter, take_buffer):
         return None  # SGLang builds when it registers, on the scheduler thread
 
     def register(self, adapter_id: int, stored: StoredAdapter, lora_id: str) -> None:

@@ -11,6 +11,10 @@ from .receiver import StoredAdapter
 
 
 class VLLMWorkerEngine(WorkerEngine):
+    # build folds the scaling into lora_B itself (out of place when read-only), so vLLM's
+    # own optimize() never writes; every other step of vLLM only reads the tensors.
+    maps_read_only = True
+
     def __init__(self, vllm_worker):
         self.worker = vllm_worker
         self.data_parallel_size = 1  # set by each call (the API process knows it)
@@ -22,11 +26,13 @@ class VLLMWorkerEngine(WorkerEngine):
     def rank(self):
         return engine_api.worker_rank(self.worker, self.data_parallel_size)
 
-    def build(self, adapter_id: int, stored: StoredAdapter):
+    def build(self, adapter_id: int, stored: StoredAdapter, take_buffer):
         # The built LoRAModel is what vLLM gets on every (re)load: merging it again after an
         # LRU eviction is a no-op (already packed and scaled), so no copy is kept or rebuilt.
         model = engine_api.build_lora_model(self.manager, adapter_id, stored.tensors,
                                             stored.config)
+        stored.buffers += engine_api.fold_scaling(
+            model, take_buffer if stored.read_only else None)
         self.built[adapter_id] = model
         return model
 

@@ -237,7 +237,8 @@ class AdapterService:
         finally:
             if not kept:
                 staged.release()
-        reply["timings_ms"].update(staged.timings_ms, settle=settle_ms)
+        reply["timings_ms"].update(staged.timings_ms, settle=settle_ms,
+                                   server=(time.perf_counter() - t0) * 1e3)
         if staged.afterwards is not None:
             self._in_background(staged.afterwards)
         return reply
@@ -259,7 +260,8 @@ class AdapterService:
                 served = naming.versioned(name, version)
                 intake = staged.intake(transport, adapter_id, cfg)
                 replies = await self.workers.intake(intake, staged.background_s)
-                worker_ms = max(r.ms for r in replies)
+                slowest = max(replies, key=lambda r: r.ms)
+                worker_ms = slowest.ms
                 t2 = time.perf_counter()
                 handle = await self.bridge.activate(served, adapter_id)
             except BaseException:
@@ -279,7 +281,8 @@ class AdapterService:
             metrics.state_changed()
         return {"name": served, "lora_name": name, "version": version, "bytes": staged.nbytes,
                 "load_ms": rec.load_ms, "transport": transport,
-                "timings_ms": {"wait": (t1 - t_in) * 1e3, "worker": worker_ms,
+                "timings_ms": {**slowest.data.get("timings_ms", {}),
+                               "wait": (t1 - t_in) * 1e3, "worker": worker_ms,
                                "handoff": (t2 - t1) * 1e3 - worker_ms,
                                "register": (t3 - t2) * 1e3}}
 

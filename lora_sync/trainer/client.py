@@ -124,25 +124,30 @@ class LoRASyncClient:
         if chosen:
             version = self.memory.next_version(
                 name, lambda n: self.newest_versions(n, deadline=deadline))
-        results = self._send(adapter, name, version, transport, checksum, deadline)
+        kept = []  # the adapter's bytes as pushed, copied while the servers work on them
+        results = self._send(adapter, name, version, transport, checksum, deadline,
+                             alongside=lambda: kept.append(self.memory.snapshot(name, adapter)))
         if chosen and (transport == "auto" or TRANSPORTS[transport].per_server) \
                 and any(r.error.code == "version_conflict" for r in results if not r.ok):
             # A server holds a newer version (another client or the CLI pushed): number
             # above the servers' newest and push once more, to every server alike.
             if any(r.ok for r in results):
-                self.memory.pushed(name, version, adapter)
+                self.memory.pushed(name, version, kept[0])
             held = [v for v in self.newest_versions(name, deadline=deadline) if v]
             version = max(held + [version]) + 1
             results = self._send(adapter, name, version, transport, checksum, deadline)
         if any(r.ok for r in results):
-            self.memory.pushed(name, version, adapter)
+            self.memory.pushed(name, version, kept[0])
+        else:
+            self.memory.unused(name, kept[0])
         restarted = {r.server for r in results if r.ok and self.memory.saw(r.server,
                                                                            r.instance_id)}
         self.memory.stale.update(r.server for r in results if not r.ok)
         self._resync(restarted, deadline)  # they lost every other name's newest version
         return results
 
-    def _send(self, adapter: LoRAAdapter, name, version, transport, checksum, deadline):
+    def _send(self, adapter: LoRAAdapter, name, version, transport, checksum, deadline,
+              alongside=None):
         """One push to every server: the transport prepares it once, the client sends it to
         each server at once (a stale server first gets what it lost), the transport
         finishes it."""
@@ -160,7 +165,7 @@ class LoRASyncClient:
             if sender is None:
                 return self._push_auto(server, adapter, ctx)
             return self._push_with(sender, outgoing, server, ctx)
-        results = self._each_server(push_one, version, deadline)
+        results = self._each_server(push_one, version, deadline, alongside)
         if sender is not None:
             sender.finish(outgoing, results)
         return results
@@ -189,9 +194,11 @@ class LoRASyncClient:
                                 "transport='tensors'", code="shm_unreachable", status=400)
         return result
 
-    def _each_server(self, push_one, version: int, deadline: float) -> list[PushResult]:
+    def _each_server(self, push_one, version: int, deadline: float,
+                     alongside=None) -> list[PushResult]:
         """Runs `push_one(server)` on every server at once; a failure becomes that server's
-        result instead of stopping the others. All of it ends by `deadline`."""
+        result instead of stopping the others. All of it ends by `deadline`; `alongside()`
+        runs here meanwhile."""
         t0 = time.perf_counter()
 
         def guarded(server: Server) -> PushResult:
@@ -200,7 +207,7 @@ class LoRASyncClient:
             except LoRASyncError as e:
                 return PushResult.failed(server.url, version, e, time.perf_counter() - t0)
         return self._each(guarded, deadline, late=lambda server, e: PushResult.failed(
-            server.url, version, e, time.perf_counter() - t0))
+            server.url, version, e, time.perf_counter() - t0), alongside=alongside)
 
     # -- restarts -------------------------------------------------------------------------
     def resync(self, urls=None) -> list[dict]:
@@ -233,11 +240,11 @@ class LoRASyncClient:
         listing = self._listing(server, self.probe_timeout)
         self.memory.saw(server.url, listing.instance_id)
         held, pushed = listing.versions_by_name(), []
-        for name, newest in list(self.memory.newest.items()):
+
+        def lost(name: str, version: int) -> bool:
             have = held.get(name, set())
-            if newest.adapter is None or newest.version in have \
-                    or max(have, default=0) > newest.version:
-                continue
+            return version not in have and max(have, default=0) <= version
+        for name, newest in self.memory.newest_copies(lost):
             self._push_auto(server, newest.adapter, SendContext(
                 name, newest.version, False, self.headers, self.timeout, self.client_id))
             pushed.append(naming.versioned(name, newest.version))
@@ -332,7 +339,7 @@ class LoRASyncClient:
     def retire(self, name: str) -> list[dict]:
         """Takes every version of `name` out of service on every server (running requests
         finish on theirs); the name no longer counts against the server's name limit."""
-        self.memory.newest.pop(name, None)  # its numbering may start again at 1
+        self.memory.forget(name)  # its numbering may start again at 1
         return self._each(lambda s: http.call("POST", s.route("retire_lora_adapter"),
                                               json_body={"lora_name": name},
                                               headers=self.headers, timeout=self.timeout)[0],
@@ -364,16 +371,20 @@ class LoRASyncClient:
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
 
-    def _each(self, fn, deadline: float | None = None, late=None, servers=None) -> list:
+    def _each(self, fn, deadline: float | None = None, late=None, servers=None,
+              alongside=None) -> list:
         """`fn(server)` for every server at once, in order. With a `deadline`, every HTTP
         call inside ends by it, and a server whose `fn` has not returned shortly after is
-        `late(server, error)` (or that error is raised)."""
+        `late(server, error)` (or that error is raised). `alongside()` runs in this thread
+        while they do."""
         servers = self.servers if servers is None else servers
 
         def scoped(server: Server):
             with http.within(deadline):
                 return fn(server)
         futures = [self._pool.submit(scoped, s) for s in servers]
+        if alongside is not None:
+            alongside()
         if deadline is None:
             return [f.result() for f in futures]
         wait(futures, timeout=max(0.0, deadline - time.monotonic()) + LATE_GRACE_S)

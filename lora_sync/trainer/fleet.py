@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import threading
+
+import torch
+
 from ..adapter import LoRAAdapter
 
 
@@ -19,6 +23,7 @@ from ..adapter import LoRAAdapter
 class Newest:
     version: int
     adapter: LoRAAdapter | None   # None when the client does not remember adapters
+    flat: torch.Tensor | None = None  # the one buffer `adapter`'s tensors view
 
 
 @dataclass
@@ -27,6 +32,10 @@ class FleetMemory:
     newest: dict[str, Newest] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)  # server url -> instance id
     stale: set[str] = field(default_factory=set)             # servers to resync first
+    # A name's copy before its newest, reused by its next snapshot: writing memory already
+    # touched costs a fraction of fresh pages. Nobody else reads it (see `newest_copies`).
+    _spare: dict[str, torch.Tensor] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next_version(self, name: str, held_by_servers) -> int:
         """The version the next push of `name` gets. A fresh client (a restarted trainer)
@@ -36,12 +45,56 @@ class FleetMemory:
             return self.newest[name].version + 1
         return max([v for v in held_by_servers(name) if v] or [0]) + 1
 
-    def pushed(self, name: str, version: int, adapter: LoRAAdapter) -> None:
-        kept = None
-        if self.remember:
-            kept = LoRAAdapter({k: t.detach().clone() for k, t in adapter.tensors.items()},
-                               dict(adapter.config))
-        self.newest[name] = Newest(version, kept)
+    def snapshot(self, name: str, adapter: LoRAAdapter) -> Newest | None:
+        """The adapter's bytes as pushed, in host memory (one buffer, the name's spare when it
+        fits), or None unless `remember`. The client makes it while the servers take the
+        push in, off the push's critical path."""
+        if not self.remember:
+            return None
+        sizes = [-(-t.numel() * t.element_size() // 8) * 8 for t in adapter.tensors.values()]
+        with self._lock:
+            flat = self._spare.pop(name, None)
+        if flat is None or flat.numel() != sum(sizes):
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        offset, kept = 0, {}
+        for (key, t), size in zip(adapter.tensors.items(), sizes):
+            n = t.numel() * t.element_size()
+            kept[key] = flat[offset:offset + n].view(t.dtype).view(t.shape)
+            kept[key].copy_(t.detach())
+            offset += size  # 8-byte aligned: every dtype's view is legal
+        return Newest(0, LoRAAdapter(kept, dict(adapter.config)), flat)
+
+    def pushed(self, name: str, version: int, kept: Newest | None) -> None:
+        """`kept`: the push's `snapshot`. The copy it replaces becomes the name's spare."""
+        with self._lock:
+            old = self.newest.get(name)
+            self.newest[name] = Newest(version, kept and kept.adapter, kept and kept.flat)
+            if old is not None and old.flat is not None and old.flat is not self.newest[name].flat:
+                self._spare[name] = old.flat
+
+    def unused(self, name: str, kept: Newest | None) -> None:
+        """A snapshot no server took: its buffer is the name's spare again (unless an
+        earlier try of the same push made it the newest)."""
+        with self._lock:
+            newest = self.newest.get(name)
+            if kept is not None and kept.flat is not None and \
+                    (newest is None or newest.flat is not kept.flat):
+                self._spare.setdefault(name, kept.flat)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self.newest.pop(name, None)
+            self._spare.pop(name, None)
+
+    def newest_copies(self, wanted) -> list[tuple[str, Newest]]:
+        """(name, Newest) of each remembered adapter `wanted(name, version)` says to send,
+        as copies of their own: the buffers behind `newest` become spares, and a resync may
+        outlive that."""
+        with self._lock:
+            return [(name, Newest(n.version, LoRAAdapter(
+                {k: t.clone() for k, t in n.adapter.tensors.items()}, dict(n.adapter.config))))
+                for name, n in self.newest.items()
+                if n.adapter is not None and wanted(name, n.version)]
 
     def saw(self, server_url: str, instance_id: str | None) -> bool:
         """Records the instance a server replied from; True when it changed (a restart),

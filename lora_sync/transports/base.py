@@ -180,6 +180,7 @@ class Received:
     tensors: dict
     nbytes: int
     buffers: list = field(default_factory=list)
+    read_only: bool = False  # the tensors view memory nobody may write (a sealed lease)
 
 
 # -- the plug-in ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import secrets
 import stat
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -388,20 +389,28 @@ class ShmTransport(Transport):
 
     # worker side
     def receive(self, intake, pool) -> Received:
-        """A sealed body is read into a reused buffer (see `read_sealed` for why not mapped)."""
-        sealed = read_sealed(intake.args["path"],
-                             lambda n: pool.take_buffer(torch.uint8, n, "cpu"))
-        if sealed is None:
-            raise BadAdapter("the committed lease is not sealed", code="bad_lease")
-        header, tensors, buf = sealed
-        return Received(tensors, header.total_bytes - header.data_start, [buf])
+        """A sealed body is mapped read-only where the engine never writes what it is given
+        (`pool.map_sealed`), else read into a reused buffer (see `read_sealed`)."""
+        path = intake.args["path"]
+        if pool.map_sealed:
+            sealed = map_sealed(path)
+            if sealed is not None:
+                header, tensors = sealed
+                return Received(tensors, header.total_bytes - header.data_start,
+                                read_only=True)
+        else:
+            sealed = read_sealed(path, lambda n: pool.take_buffer(torch.uint8, n, "cpu"))
+            if sealed is not None:
+                header, tensors, buf = sealed
+                return Received(tensors, header.total_bytes - header.data_start, [buf])
+        raise BadAdapter("the committed lease is not sealed", code="bad_lease")
 
 
 def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor] | None:
-    """A sealed body (a committed shm lease) is copied, not mapped: a private mapping of it
-    would copy each page the engine writes (it scales lora_B in place) into fresh memory, and
-    fresh pages are the slow part here. One read into `take_buffer(nbytes)`, a reused buffer,
-    costs about as much as a memcpy. Returns None when `path` is not sealed."""
+    """A sealed body (a committed shm lease) copied, for an engine that may write what it is
+    given: a read-only mapping would kill it, and a private one costs a fault per page plus
+    a fresh page per page written. One read into `take_buffer(nbytes)`, a reused buffer,
+    costs about a memcpy. Returns None when `path` is not sealed."""
     with open(path, "rb") as f:
         fd = f.fileno()
         if not is_sealed(fd):
@@ -416,6 +425,23 @@ def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor
                 raise BadAdapter("the sealed body ended early", code="bad_safetensors")
             done += n
     return header, wire.view_tensors(view, header, data_only=True), buf
+
+
+def map_sealed(path: str) -> tuple[wire.Header, dict] | None:
+    """A sealed body mapped shared and read-only, its page tables filled at once: no copy
+    (a private mapping would fault every page in one by one, about the cost of a copy).
+    The tensors view it; nobody, this process included, can write those bytes. Returns None
+    when `path` is not sealed."""
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        if not is_sealed(fd):
+            return None
+        header = read_header(fd, os.fstat(fd).st_size)
+        mapped = mmap.mmap(fd, header.total_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                           prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # torch warns that the memory is not writable: intended
+        warnings.simplefilter("ignore", UserWarning)
+        return header, wire.view_tensors(mapped, header)
 
 
 def is_sealed(fd: int) -> bool:
