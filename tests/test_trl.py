@@ -464,3 +464,37 @@ def test_callback_pushes_what_disk_serves(vllm, model_dir, tmp_path):
 
 def logprobs(reply) -> list[float]:
     return reply["raw"]["choices"][0]["logprobs"]["token_logprobs"]
+
+
+# -- benchmarks/trl_bench.py's summary (no server) ------------------------------------------
+def test_trl_bench_counts_what_a_pause_held():
+    """A request in flight when /pause came and one sent while paused are held (with the
+    time each spent inside the pause); one before and one after are not. TRL's names are
+    renamed for the server, lora-sync's own are not touched by a run that does not rename."""
+    from benchmarks.trl_bench import disk_name, summarize_run, table
+    assert disk_name("trl-policy-v12") == "trl-policy-disk-12" and disk_name("base") == "base"
+
+    def ev(path, t0, t1, status=200):
+        return {"path": path, "t0": t0, "t1": t1, "status": status, "model": None}
+    events = [ev("/v1/completions", 0.0, 1.0), ev("/pause", 2.0, 2.1),
+              ev("/v1/completions", 1.5, 4.0), ev("/v1/completions", 2.5, 3.5, 500),
+              ev("/v1/load_lora_adapter", 2.2, 2.8), ev("/resume", 2.9, 3.0),
+              ev("/v1/completions", 5.0, 6.0)]
+    syncs = [{"t0": 1.9, "t1": 3.1, "seconds": 1.2, "bytes": 100},
+             {"t0": 7.0, "t1": 7.5, "seconds": 0.5, "bytes": 100}]
+    history = [{"reward": 0.1}, {"reward": 0.5, "perf/step_s": 2.0, "perf/rollout_wait_s": 0.1}]
+    row = summarize_run("trl", syncs, events, history, {"written": 200, "peak": 100, "left": 0})
+    assert row["pauses"] == 1 and abs(row["paused_total_s"] - 1.0) < 1e-9
+    held = row["held"]
+    assert (held["requests"], held["in_flight_at_start"], held["sent_inside"]) == (2, 1, 1)
+    assert abs(held["request_s_inside"] - (1.0 + 0.5)) < 1e-9
+    assert row["through_syncs"]["requests"] == 2 and row["failed_requests"] == 1
+    assert row["sync_cold_s"] == 1.2 and row["sync_median_s"] == 0.5  # cold one apart
+    assert row["step_median_s"] == 2.0 and row["reward_last"] == 0.5
+    quiet = summarize_run("lora-sync", syncs, [e for e in events if e["path"] not in
+                                               ("/pause", "/resume")], history,
+                          {"written": 0, "peak": 0, "left": 0})
+    assert quiet["pauses"] == 0 and quiet["held"]["requests"] == 0
+    text = table([row, quiet])
+    assert "TRL 1.16 own adapter sync" in text and "| never |" not in text.split("\n")[0]
+    assert text.count("\n") == 12
