@@ -165,6 +165,30 @@ def bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar) -> list[di
     return samples
 
 
+def soak(client, server, model_dir, rank: int, pushes: int, dtype: str, bar=None) -> dict:
+    """Server memory over `pushes` pushes of one rank (shm, tensors and broadcast in turn):
+    the RSS of the server's processes every 10 pushes, after a first 10 that fill the
+    retention window. Flat means no push leaks what a retired version held."""
+    adapter = random_adapter(model_dir, rank, getattr(torch, dtype), seed=7)
+    kinds = ("shm", "tensors", "broadcast")
+    client.init_group()
+    rss = []
+    for i in range(pushes):
+        client.push(adapter, f"soak{rank}", transport=kinds[i % len(kinds)])
+        if i >= 9 and (i + 1) % 10 == 0:
+            rss.append(server.rss_bytes() / 2 ** 20)
+        if bar:
+            bar.update()
+    client.destroy_group()
+    client.retire(f"soak{rank}")
+    half = len(rss) // 2
+    return {"engine": client.servers[0].engine, "rank": rank, "pushes": pushes,
+            "rss_mb_every_10": rss, "first_mb": rss[0], "last_mb": rss[-1], "max_mb": max(rss),
+            # growth from the first half's median to the second half's, per 100 pushes
+            "mb_per_100_pushes": (statistics.median(rss[half:]) - statistics.median(rss[:half]))
+            / (pushes / 2) * 100 if half else 0.0}
+
+
 def bench_limits(model_dir, ranks, reps, dtype) -> list[dict]:
     """Raw memcpy / loopback HTTP POST (plain and through uvicorn + FastAPI) / gloo broadcast
     of the same bytes."""
@@ -186,17 +210,20 @@ def bench_limits(model_dir, ranks, reps, dtype) -> list[dict]:
 
 
 def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, dtype: str,
-        progress: bool = True, api_key: str | None = None) -> dict:
-    """`servers`: engine names to start ("vllm", "sglang") or running (engine, url) pairs."""
+        progress: bool = True, api_key: str | None = None, soak_pushes: int = 0) -> dict:
+    """`servers`: engine names to start ("vllm", "sglang") or running (engine, url) pairs.
+    `soak_pushes`: pushes at the largest rank with the server's RSS sampled (servers the
+    benchmark starts only: it reads their processes)."""
     torch.set_num_threads(1)  # with two threads on two cores the trainer stalls randomly
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(servers) * len(ranks) * (reps + 2) * len(TRANSPORTS),
+        bar = tqdm(total=len(servers) * (len(ranks) * (reps + 2) * len(TRANSPORTS)
+                                          + soak_pushes),
                    desc="sync benchmark", unit="sync")
-    samples = []
+    samples, memory = [], []
     load_before, own, others = os.getloadavg(), {os.getpid()}, set()
     try:
         for entry in servers:
@@ -211,6 +238,9 @@ def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, 
             try:
                 with LoRASyncClient(entry[1], engine=entry[0], api_key=api_key) as client:
                     samples += bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar)
+                    if soak_pushes and started is not None:
+                        memory.append(soak(client, started, model_dir, max(ranks),
+                                           soak_pushes, dtype, bar))
             finally:
                 if started is not None:
                     started.stop()
@@ -221,7 +251,7 @@ def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, 
         shutil.rmtree(scratch, ignore_errors=True)
     result = {"machine": machine(), "model": str(model_dir), "dtype": dtype, "ranks": ranks,
               "reps": reps, "quiet": quiet_report(load_before, os.getloadavg(), sorted(others)),
-              "samples": samples, "summary": summarize(samples)}
+              "samples": samples, "summary": summarize(samples), "memory": memory}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "results.png")
     return result
@@ -427,6 +457,9 @@ def main() -> None:
     p.add_argument("--server-engine", default="vllm", help="the engine of --server-url")
     p.add_argument("--model-dir", help="the model that server runs")
     p.add_argument("--out", default="runs/bench")
+    p.add_argument("--soak", type=int, default=200,
+                   help="pushes at the largest rank with the server's RSS sampled (default "
+                        "200; 0: none)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     a = p.parse_args()
     scratch = Path(tempfile.gettempdir()) / "lora-sync-bench-models"
@@ -438,8 +471,16 @@ def main() -> None:
         model_dir = Path(a.model_dir) if a.model_dir else build_tiny_model(
             scratch / "qwen05b-shapes", dtype="bfloat16", **QWEN_05B_SHAPES)
     servers = [(a.server_engine, a.server_url)] if a.server_url else a.engines
-    result = run(model_dir, ranks, reps, servers, Path(a.out), dtype, a.progress)
+    soak_pushes = min(a.soak, 30) if a.quick else a.soak
+    result = run(model_dir, ranks, reps, servers, Path(a.out), dtype, a.progress,
+                 soak_pushes=soak_pushes)
     text = print_table(result["summary"])
+    for m in result["memory"]:
+        line = (f"{m['engine']} server RSS over {m['pushes']} pushes at rank {m['rank']}: "
+                f"{m['first_mb']:.0f} MB after 10, {m['last_mb']:.0f} MB at the end, max "
+                f"{m['max_mb']:.0f} MB ({m['mb_per_100_pushes']:+.1f} MB per 100 pushes)")
+        print(line)
+        text += "\n" + line
     q = result["quiet"]
     note = (f"machine {'quiet' if q['quiet'] else 'NOT quiet'}: load average "
             f"{q['loadavg_before'][0]:.2f} before, {q['loadavg_after'][0]:.2f} after; "

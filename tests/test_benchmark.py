@@ -2,7 +2,8 @@
 (no timing is asserted: performance is measured, not tested)."""
 import json
 
-from benchmarks.sync_bench import TRANSPORTS, print_table, run
+from benchmarks.sync_bench import TRANSPORTS, print_table, run, soak
+from lora_sync import LoRASyncClient
 
 
 def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, workdir,
@@ -43,5 +44,9 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
         spread = rows[(engine, "shm")]["speedup_per_round"]
         assert spread["rounds"] == 2 and spread["min"] <= spread["median"] <= spread["max"]
     assert set(saved["quiet"]) == {"loadavg_before", "loadavg_after", "other_servers", "quiet"}
+    assert saved["memory"] == []  # the soak runs on servers the benchmark starts itself
+    with LoRASyncClient(vllm.url, engine="vllm", api_key=vllm.api_key) as client:
+        memory = soak(client, vllm, model_dir, 8, 20, "float32")
+    assert len(memory["rss_mb_every_10"]) == 2 and memory["max_mb"] >= memory["first_mb"] > 0
     assert (out / "results.png").stat().st_size > 0
     assert "tensors" in print_table(result["summary"])

@@ -139,6 +139,32 @@ def test_sglang_extra_key_cannot_reach_our_cache_keys(sglang):
     assert status == 400 and "extra_key" in reply["error"]["message"]
 
 
+def test_a_group_loads_only_for_its_owner(client, server, make_adapter):
+    """Another client naming my group (no token, a made-up one) can neither load on it nor
+    destroy it; my next broadcast is untouched and in step."""
+    client.init_group(timeout_s=20)
+    client.broadcast(make_adapter(seed=330), "owned")
+    before = greedy(client, "owned")
+    good = make_adapter(seed=331)
+    body = {"lora_name": "stolen", "adapter_config": good.config, "group_name": "default",
+            "tensors": [s.to_json() for s in good.specs()], "transfer_id": 5}
+    for token in (None, "x" * 32):
+        status, reply, _ = http.request(
+            "POST", client.servers[0].route("load_lora_adapter_from_distributed"),
+            json_body={**body, "group_token": token}, headers=AUTH)
+        assert status in (400, 403) and reply["error"]["code"] in ("bad_request", "bad_token"), \
+            reply
+        status, reply, _ = http.request(
+            "POST", client.servers[0].route("destroy_lora_update_group"), headers=AUTH,
+            json_body={"group_name": "default", "group_token": token})
+        assert status in (400, 403), reply
+    client.broadcast(good, "owned")
+    assert greedy(client, "owned-v1") == before and greedy(client, "owned") != before
+    assert "stolen" not in {a["name"] for a in client.adapters()[0]["adapters"]}
+    client.destroy_group()
+    client.retire("owned")
+
+
 LIE_REFUSED = ("transfer_mismatch", "transfer_failed", "push_failed")
 
 
