@@ -295,7 +295,17 @@ def machine() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "vllm": vllm.__version__, "sglang": " or ".join(SUPPORTED["SGLang"]),
+            "shmem_thp": _thp_setting(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _thp_setting() -> str:
+    """Transparent huge pages for shared memory ([advise] lets shm leases use 2 MiB pages)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            return next(w.strip("[]") for w in f.read().split() if w.startswith("["))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 SERVER_MARKERS = ("vllm_ext.serve", "sglang_ext.launch_server", "sglang.launch_server",
@@ -482,7 +492,8 @@ def main() -> None:
         print(line)
         text += "\n" + line
     q = result["quiet"]
-    note = (f"machine {'quiet' if q['quiet'] else 'NOT quiet'}: load average "
+    note = (f"shmem huge pages: {result['machine']['shmem_thp']}; "
+            f"machine {'quiet' if q['quiet'] else 'NOT quiet'}: load average "
             f"{q['loadavg_before'][0]:.2f} before, {q['loadavg_after'][0]:.2f} after; "
             f"{len(q['other_servers'])} other inference server(s) running")
     print(note)
