@@ -395,7 +395,7 @@ def _cell(value, spec: str, unit: str, scale: float = 1.0) -> str:
 
 
 def _spread(per_round: dict | None) -> str:
-    """The per-round ratio's min-max, beside the median ratio."""
+    """The per-round ratio's min-max, beside its median."""
     if not per_round:
         return " " * 12
     return f" [{per_round['min']:.2f}-{per_round['max']:.2f}]"
@@ -412,7 +412,8 @@ def print_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['engine']:7} {r['transport']:15} {r['rank']:>4} {r['mb']:7.1f} "
             f"{r['median_s']*1e3:7.1f}ms {r['min_s']*1e3:6.1f}ms {r['max_s']*1e3:6.1f}ms "
-            f"{r['mb_per_s']:7.0f} {_cell(r.get('speedup_over_disk'), '6.2f', 'x')}"
+            f"{r['mb_per_s']:7.0f} "
+            f"{_cell((r.get('speedup_per_round') or {}).get('median'), '6.2f', 'x')}"
             f"{_spread(r.get('speedup_per_round'))} "
             f"{_cell(r.get('x_limit'), '6.2f', 'x')} {_cell(r['cold_s'], '6.1f', 'ms', 1e3)} "
             f"{_cell(r['first_completion_s'], '7.0f', 'ms', 1e3)} "
