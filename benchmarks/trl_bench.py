@@ -45,7 +45,6 @@ the table. Run it under `flock /tmp/lora-sync-server.lock` beside other server u
 from __future__ import annotations
 
 import argparse
-import functools
 import http.client
 import json
 import multiprocessing
@@ -337,36 +336,17 @@ def train(kind: str, model_dir: str, url: str, out_dir: Path, steps: int, seed: 
           api_key: str | None) -> tuple[list[dict], list[dict], dict]:
     """One AsyncGRPO training against `url`; returns (syncs, log history, disk use)."""
     import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
-    from trl.experimental.async_grpo import AsyncGRPOConfig
     from trl.experimental.async_grpo import AsyncGRPOTrainer as TRLAsyncGRPOTrainer
 
-    from examples.trl_async_grpo import PLAIN_TEMPLATE, PROMPTS, token_reward
+    from examples.trl_async_grpo import trainer_arguments
     from lora_sync.integrations.trl import AsyncGRPOTrainer as LoRASyncAsyncGRPOTrainer
     from testbed import trl_cpu
     if not torch.cuda.is_available():
         trl_cpu.patch()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.response_template = PLAIN_TEMPLATE
-    targets = frozenset(i for i in range(len(tokenizer)) if "e" in tokenizer.decode([i]))
     shutil.rmtree(out_dir, ignore_errors=True)
-    # The example's settings (examples/trl_async_grpo.py), the same for both runs.
-    kwargs = dict(
-        model=model_dir, reward_funcs=functools.partial(token_reward, targets=targets),
-        args=AsyncGRPOConfig(
-            output_dir=str(out_dir), vllm_server_base_url=url, max_steps=steps,
-            per_device_train_batch_size=32, num_generations=8, max_completion_length=8,
-            learning_rate=5e-2, epsilon=100.0, max_staleness=1, token_budget=-1, seed=seed,
-            bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
-            save_strategy="no", disable_tqdm=True),
-        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}]
-                                                    for p in PROMPTS]}),
-        processing_class=tokenizer,
-        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                               lora_dropout=0.0))
+    # The example's settings, the same for both runs.
+    kwargs = trainer_arguments(model_dir, url, steps, str(out_dir), seed)
     if kind == "trl":
         trainer = bench_class(TRLAsyncGRPOTrainer)(**kwargs)
         if not trainer._lora_sync:  # TRL fell back to merged weights (its warning says why)

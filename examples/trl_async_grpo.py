@@ -37,21 +37,18 @@ def token_reward(completions, completion_ids, targets=frozenset(), **kwargs):
     return [sum(t in targets for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def train(model_dir: str, server_url: str, api_key: str | None, steps: int, out_dir: str):
-    import torch
+def trainer_arguments(model_dir: str, server_url: str, steps: int, out_dir: str,
+                      seed: int = 42) -> dict:
+    """AsyncGRPOTrainer's arguments for this demo (TRL's own trainer takes the same)."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
-    from lora_sync.integrations.trl import AsyncGRPOTrainer  # the one-line change
-    if not torch.cuda.is_available():
-        from testbed import trl_cpu
-        trl_cpu.patch()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.response_template = PLAIN_TEMPLATE
     targets = frozenset(i for i in range(len(tokenizer)) if "e" in tokenizer.decode([i]))
-    trainer = AsyncGRPOTrainer(
+    return dict(
         model=model_dir,
         reward_funcs=functools.partial(token_reward, targets=targets),
         args=AsyncGRPOConfig(
@@ -59,15 +56,25 @@ def train(model_dir: str, server_url: str, api_key: str | None, steps: int, out_
             per_device_train_batch_size=32, num_generations=8, max_completion_length=8,
             # a fast demo: a high learning rate, and no ratio clipping (with this rate the
             # default epsilon=0.2 clips about 40% of the tokens and the reward rises slowly)
-            learning_rate=5e-2, epsilon=100.0, max_staleness=1, token_budget=-1,
+            learning_rate=5e-2, epsilon=100.0, max_staleness=1, token_budget=-1, seed=seed,
             bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
             save_strategy="no", disable_tqdm=True),
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}]
                                                     for p in PROMPTS]}),
         processing_class=tokenizer,
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                               lora_dropout=0.0),
-        lora_sync_api_key=api_key)
+                               lora_dropout=0.0))
+
+
+def train(model_dir: str, server_url: str, api_key: str | None, steps: int, out_dir: str):
+    import torch
+
+    from lora_sync.integrations.trl import AsyncGRPOTrainer  # the one-line change
+    if not torch.cuda.is_available():
+        from testbed import trl_cpu
+        trl_cpu.patch()
+    trainer = AsyncGRPOTrainer(**trainer_arguments(model_dir, server_url, steps, out_dir),
+                               lora_sync_api_key=api_key)
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     syncs = [h["perf/weight_sync_s"] for h in trainer.state.log_history

@@ -192,3 +192,19 @@ def blackhole():
                 pass
     threading.Thread(target=accept, daemon=True).start()
     return sock.getsockname()[1], lambda: (stop.set(), [c.close() for c in held], sock.close())
+
+
+def try_to_take_a_group(load_url: str, destroy_url: str, adapter) -> None:
+    """Another client naming the group "default" with no token or a made-up one: it can
+    neither load on it nor destroy it (400/403)."""
+    body = {"lora_name": "stolen", "adapter_config": adapter.config, "group_name": "default",
+            "tensors": [s.to_json() for s in adapter.specs()], "transfer_id": 5}
+    for token in (None, "x" * 32):
+        status, reply, _ = http.request("POST", load_url, headers=AUTH,
+                                        json_body={**body, "group_token": token})
+        assert status in (400, 403) and reply["error"]["code"] in ("bad_request", "bad_token"), \
+            reply
+        status, reply, _ = http.request("POST", destroy_url, headers=AUTH,
+                                        json_body={"group_name": "default", "group_token": token})
+        assert status in (400, 403), reply
+

@@ -32,7 +32,7 @@ from lora_sync.transports import shm
 from .conftest import SERVER_ENV
 from .engine_fakes import BASE_TEXT, text_of, tiny_model_spec, weights_digest
 from .helpers import (AUTH, PROMPT, Background, bad_bodies, blackhole, body_of, greedy,
-                      post_body, versions_of)
+                      post_body, try_to_take_a_group, versions_of)
 
 KEEP = int(SERVER_ENV["LORA_SYNC_KEEP_VERSIONS"])
 MAX_BODY = int(float(SERVER_ENV["LORA_SYNC_MAX_BODY_MB"]) * 2 ** 20)
@@ -1141,17 +1141,7 @@ def test_a_group_loads_only_for_its_owner(fake_server, fake_client, make_adapter
     c.broadcast(make_adapter(seed=330), "owned")
     before = greedy(c, "owned")
     good = make_adapter(seed=331)
-    body = {"lora_name": "stolen", "adapter_config": good.config, "group_name": "default",
-            "tensors": [s.to_json() for s in good.specs()], "transfer_id": 5}
-    for token in (None, "x" * 32):
-        status, reply, _ = http.request("POST", route(c, DISTRIBUTED),
-                                        json_body={**body, "group_token": token}, headers=AUTH)
-        assert status in (400, 403) and reply["error"]["code"] in ("bad_request", "bad_token"), \
-            reply
-        status, reply, _ = http.request(
-            "POST", route(c, "destroy_lora_update_group"), headers=AUTH,
-            json_body={"group_name": "default", "group_token": token})
-        assert status in (400, 403), reply
+    try_to_take_a_group(route(c, DISTRIBUTED), route(c, "destroy_lora_update_group"), good)
     c.broadcast(good, "owned")  # the owner's group is untouched and still in step
     assert greedy(c, "owned-v1") == before and greedy(c, "owned") == served_text(good)
     assert listing(c, "stolen") is None
