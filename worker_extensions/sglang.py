@@ -11,6 +11,11 @@ from .receiver import StoredAdapter
 
 
 class SGLangWorkerEngine(WorkerEngine):
+    # SGLang only reads the tensors it is given: it concatenates q/k/v and gate/up into new
+    # tensors, copies the rest into its memory pool and applies the scaling there, out of
+    # place (sglang/srt/lora/lora.py, mem_pool.py in 0.5.23).
+    maps_read_only = True
+
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self.lora_ids: dict[int, str] = {}  # adapter id -> SGLang's id (the API's identity)
