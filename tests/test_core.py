@@ -379,3 +379,25 @@ def test_fleet_memory_keeps_what_was_pushed_in_reused_buffers(make_adapter):
     memory.unused("p", third)     # ... and its second try failed everywhere
     assert memory.snapshot("p", adapter).flat.data_ptr() != third.flat.data_ptr()
     assert memory.newest_copies(lambda name, version: version > 3) == []
+
+
+def test_a_sealed_lease_is_mapped_or_read_the_same(make_adapter):
+    """shm's worker side: a sealed lease mapped read-only (engines that never write what
+    they are given) and read into a reused buffer (the others) give the same tensors; an
+    unsealed file is neither."""
+    import fcntl
+    import os
+
+    from lora_sync.transports import shm
+    adapter = make_adapter(seed=23)
+    fd = os.memfd_create("lora-sync-test", os.MFD_ALLOW_SEALING)
+    os.write(fd, wire.encode_bytes(adapter.tensors, {"lora_name": "x"}))
+    path = f"/proc/{os.getpid()}/fd/{fd}"
+    assert shm.map_sealed(path) is None and shm.read_sealed(path, torch.empty) is None
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shm._SEALS)
+    _, mapped = shm.map_sealed(path)
+    _, read, buf = shm.read_sealed(path, lambda n: torch.empty(n, dtype=torch.uint8))
+    assert all(torch.equal(mapped[k], t) and torch.equal(read[k], t)
+               for k, t in adapter.tensors.items())
+    assert read[next(iter(read))].data_ptr() == buf.data_ptr()  # views the buffer
+    os.close(fd)
