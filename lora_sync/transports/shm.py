@@ -3,8 +3,8 @@ leased to it, then commits. Only two small JSON calls cross the socket.
 
 The lease is a Linux memfd owned by the server's API process. The trainer reaches it through
 `/proc/<server pid>/fd/<n>` (so only a process on the same host and in the same PID namespace
-can), checks a random probe the server wrote into it, writes, unmaps and commits with a
-one-time token. At commit the server seals the memfd (F_SEAL_WRITE, SHRINK, GROW): from then
+can), checks a random probe the server wrote into it, writes the file into it and commits
+with a one-time token. At commit the server seals the memfd (F_SEAL_WRITE, SHRINK, GROW): from then
 on nobody, the trainer included, can change the bytes the served version is built from; a
 trainer that still holds a writable mapping gets a 409 instead. The server never takes a
 path from the client: a commit names a lease id it granted."""
@@ -487,8 +487,8 @@ def map_sealed(path: str) -> tuple[wire.Header, dict] | None:
 
 
 def is_sealed(fd: int) -> bool:
-    """Whether a file is a write-sealed memfd (a committed shm lease): nobody may map it
-    shared and writable any more, so its readers map it private."""
+    """Whether a file is a write-sealed memfd (a committed shm lease): nobody may write it
+    or map it writable any more."""
     try:
         return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE)
     except OSError:  # not a memfd: seals do not apply
