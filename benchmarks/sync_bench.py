@@ -96,7 +96,7 @@ def attribute(timings: dict, calls_s: float, total_s: float) -> dict:
     (the trainer's own work around its calls: encoding, threads, the copy it keeps),
     `http` (the last call's round trip beyond the server's own time), `worker_other` and
     `server_other` (the server's time outside its phases: checks of the header, reply)."""
-    phases = {k: timings.get(k, 0.0) for k in TRAINER_CALLS if k in timings}
+    phases = {k: timings[k] for k in TRAINER_CALLS if k in timings}
     phases["client"] = total_s - calls_s
     phases["http"] = calls_s - sum(phases.get(k, 0.0) for k in TRAINER_CALLS) \
         - timings["server"]

@@ -30,11 +30,8 @@ def test_folding_the_scaling_out_of_place_equals_vllms_optimize(make_adapter, dt
     adapter = make_adapter(seed=5)
     adapter.config["lora_alpha"] = 3 * adapter.config["r"]  # a scaling that rounds
     tensors = {k: t.to(dtype) for k, t in adapter.tensors.items()}
-    body = b"".join(bytes(c) if not isinstance(c, torch.Tensor) else
-                    c.contiguous().view(torch.uint8).numpy().tobytes()
-                    for c in wire.layout(tensors, adapter.metadata("x", 1, None)))
     fd = os.memfd_create("lora-sync-test", os.MFD_ALLOW_SEALING)
-    os.write(fd, body)
+    os.write(fd, wire.encode_bytes(tensors, adapter.metadata("x", 1, None)))
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shm._SEALS)
     header, mapped = shm.map_sealed(f"/proc/{os.getpid()}/fd/{fd}")
     before = {k: t.clone() for k, t in mapped.items()}

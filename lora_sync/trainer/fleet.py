@@ -10,9 +10,8 @@ A copy, not a reference: PEFT's state dict shares memory with the live parameter
 reference would re-push weights newer than the version number it carries."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import threading
+from dataclasses import dataclass, field
 
 import torch
 

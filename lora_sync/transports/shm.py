@@ -4,9 +4,9 @@ leased to it, then commits. Only two small JSON calls cross the socket.
 The lease is a Linux memfd owned by the server's API process. The trainer reaches it through
 `/proc/<server pid>/fd/<n>` (so only a process on the same host and in the same PID namespace
 can), checks a random probe the server wrote into it, writes the file into it and commits
-with a one-time token. At commit the server seals the memfd (F_SEAL_WRITE, SHRINK, GROW): from then
-on nobody, the trainer included, can change the bytes the served version is built from; a
-trainer that still holds a writable mapping gets a 409 instead. The server never takes a
+with a one-time token. At commit the server seals the memfd (F_SEAL_WRITE, SHRINK, GROW):
+from then on nobody, the trainer included, can change the bytes the served version is built
+from; a trainer that still holds a writable mapping gets a 409 instead. The server never takes a
 path from the client: a commit names a lease id it granted."""
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ _TOKEN = re.compile(r"[0-9a-f]{16,128}")
 _PROBE = re.compile(r"[0-9a-f]{%d}" % (2 * PROBE_BYTES))
 _LEASE_PATH = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,10}")
 MEMFD_NAME = "lora-sync-lease"
-# After these, nobody can write, resize, map writable or unseal the memfd.
 _IOV_MAX = 512  # buffers per pwritev (the kernel allows 1024)
+# After these, nobody can write, resize, map writable or unseal the memfd.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -250,7 +250,8 @@ def _touch(fd: int, nbytes: int) -> None:
             pass
         zeros = bytes(min(nbytes, 8 << 20))
         for off in range(0, nbytes, len(zeros)):
-            buf[off:off + min(len(zeros), nbytes - off)] = zeros[:nbytes - off]
+            n = min(len(zeros), nbytes - off)
+            buf[off:off + n] = zeros[:n]
     finally:
         buf.close()
 
