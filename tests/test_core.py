@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from lora_sync import BadAdapter, LoRAAdapter, ModelSpec, VersionBook, VersionConflict
+from lora_sync import BadAdapter, LoRAAdapter, ModelSpec, NotFound, VersionBook, VersionConflict
 from lora_sync import collective, naming, wire
 from lora_sync.adapter import check_adapter, parse_peft_key
 
@@ -289,24 +289,25 @@ def test_a_worker_bug_is_a_500_and_an_engine_refusal_a_400():
     assert done.ok and done.data == {"bytes": 3}
 
 
-def test_shm_spare_lease_follows_the_adapter_size():
-    """A spare prepared for one size must not block the spare of the next size (a trainer
-    that changes rank would otherwise get untouched, slow memory on every push)."""
+def test_a_renewed_lease_lives_a_ttl_from_its_renewal():
+    """A renewal restarts the lease's time; without one it goes at its time."""
     import asyncio
 
     from lora_sync.transports import shm
 
     async def run():
-        table = shm.LeaseTable()
+        table = shm.LeaseTable(ttl_s=0.3)
         try:
-            for size in (1 << 16, 1 << 20):
-                lease = table.grant(size, 1 << 30)
-                sealed = table.take(shm.CommitRequest(lease.lease_id, lease.token))
-                table.prepare_spare(sealed.nbytes)
-                sealed.close()
-                assert table._spare[1] == size
-            fd = table._spare[0]
-            assert table.grant(1 << 20, 1 << 30).path.endswith(f"/fd/{fd}")  # spare taken
+            granted = table.grant(4096, 1 << 20)
+            ticket = shm.CommitRequest(granted.lease_id, granted.token)
+            for _ in range(3):
+                await asyncio.sleep(0.2)
+                assert table.renew(ticket) == 0.3
+            assert granted.lease_id in table.pending  # 0.6 s after the grant
+            await asyncio.sleep(0.45)
+            assert granted.lease_id not in table.pending
+            with pytest.raises(NotFound):
+                table.renew(ticket)
         finally:
             table.close()
     asyncio.run(run())

@@ -175,7 +175,8 @@ def test_auto_picks_shm_on_the_same_host_and_leaks_no_lease_detail(fake_client, 
     assert res.transport == "shm" and res.version == 1
     listed = json.dumps(fake_client.adapters()[0]) + json.dumps(res.reply)
     assert "/proc/" not in listed and "token" not in listed and "lease_id" not in listed
-    assert open_leases(fake_client) == 0
+    # The only lease left open is the one readied for this name's next push.
+    assert open_leases(fake_client) == fake_client.ready_leases.count() == 1
 
 
 @pytest.mark.parametrize("transport", ["tensors", "shm", "broadcast"])
@@ -1022,7 +1023,7 @@ def test_abused_leases_are_refused_and_change_nothing(fake_client, make_adapter)
     status, _, _ = http.request("POST", route(c, shm.LEASE_ROUTE), json_body={"nbytes": 4096})
     assert status == 401
     keyless = lease(c, size)
-    for r in (shm.COMMIT_ROUTE, shm.CANCEL_ROUTE):  # a token alone opens nothing
+    for r in (shm.COMMIT_ROUTE, shm.CANCEL_ROUTE, shm.RENEW_ROUTE):  # a token alone: nothing
         status, _, _ = http.request("POST", route(c, r), json_body={
             "lease_id": keyless.lease_id, "token": keyless.token})
         assert status == 401, r
@@ -1034,7 +1035,7 @@ def test_abused_leases_are_refused_and_change_nothing(fake_client, make_adapter)
         assert status == 400, bad
     assert versions_of(c, "abuse") == [1, 2] and greedy(c, "abuse") == after
     assert greedy(c, "abuse-v1") == before
-    assert open_leases(c) == 0
+    assert open_leases(c) == c.ready_leases.count()
 
 
 def test_leases_never_committed_expire(make_fake_server):
@@ -1047,6 +1048,72 @@ def test_leases_never_committed_expire(make_fake_server):
         status, reply = commit(c, granted)
         assert (status, error_of(reply)[1]) == (404, "unknown_lease"), reply
         assert not shm.write_lease(granted, [b"late"])  # its descriptor is closed
+
+
+def ready_ticket(client) -> dict:
+    client.ready_leases.count()  # waits for the one being readied
+    ready = client.ready_leases.ready_for(client.servers[0].url)
+    assert ready is not None, "no lease was readied"
+    return ready.lease.ticket()
+
+
+def test_a_push_readies_the_next_lease_and_the_next_push_fills_it(make_fake_server,
+                                                                  make_adapter):
+    """After an shm push the client holds one lease ready for that name (granted, mapped);
+    the next push of the name commits that one. Another name's push cancels it."""
+    server = make_fake_server()
+    small, large = make_adapter(seed=851), make_adapter(seed=852, rank=16)
+    assert small.nbytes != large.nbytes
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        c.push(small, "ahead", transport="shm")
+        first = ready_ticket(c)
+        assert open_leases(c) == c.ready_leases.count() == 1
+        c.push(make_adapter(seed=853), "ahead", transport="shm")
+        assert greedy(c, "ahead") == served_text(make_adapter(seed=853))
+        assert commit(c, first)[0] == 404  # committed by the push: it is gone
+        second = ready_ticket(c)
+        assert second != first and open_leases(c) == 1
+        c.push(large, "other", transport="shm")  # another size: the ready one is cancelled
+        assert commit(c, second)[0] == 404
+        assert ready_ticket(c) not in (first, second) and open_leases(c) == 1
+        assert status_of_renew(c, second) == 404
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        assert open_leases(c) == 0  # the closed client cancelled what it held
+
+
+def status_of_renew(client, ticket: dict) -> int:
+    return http.request("POST", route(client, shm.RENEW_ROUTE), json_body=ticket,
+                        headers=AUTH)[0]
+
+
+def test_a_ready_lease_is_renewed_and_one_that_lapsed_is_replaced(make_fake_server,
+                                                                  make_adapter):
+    """A ready lease outlives its time while the client renews it (a trainer step may be
+    longer than the TTL); one that lapsed anyway makes the push take a fresh lease."""
+    server = make_fake_server(lease_ttl_s=0.4)
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        c.push(make_adapter(seed=861), "renewed", transport="shm")
+        ticket = ready_ticket(c)
+        time.sleep(1.4)  # three times the TTL
+        assert open_leases(c) == 1 and ready_ticket(c) == ticket
+        c.push(make_adapter(seed=862), "renewed", transport="shm")
+        assert commit(c, ticket)[0] == 404
+        assert greedy(c, "renewed") == served_text(make_adapter(seed=862))
+
+        c.ready_leases.count()
+        c.ready_leases.ready_for(server.url).timer.cancel()  # its renewals stop
+        wait_until(lambda: open_leases(c) == 0, timeout_s=5, what="the ready lease lapsed")
+        [res] = c.push(make_adapter(seed=863), "renewed", transport="shm")
+        assert res.version == 3 and greedy(c, "renewed") == served_text(make_adapter(seed=863))
+    bad = {"lease_id": "0" * 32, "token": "ab" * 32}
+    with LoRASyncClient(server.url, api_key=server.api_key, lease_ahead=False) as c:
+        granted = lease(c, 4096)
+        assert status_of_renew(c, {**granted.ticket(), "token": "0" * 64}) == 403
+        assert status_of_renew(c, bad) == 404
+        assert status_of_renew(c, {"lease_id": 5, "token": "x"}) == 400
+        assert status_of_renew(c, granted.ticket()) == 200
+        c.push(make_adapter(seed=864), "plain", transport="shm")
+        assert c.ready_leases is None and open_leases(c) == 1  # only the one granted above
 
 
 def test_leases_are_bounded_per_client(fake_client):
@@ -1069,12 +1136,13 @@ def test_leases_are_bounded_per_client(fake_client):
         for granted in held:
             http.call("POST", route(c, shm.CANCEL_ROUTE), headers=AUTH,
                       json_body={"lease_id": granted.lease_id, "token": granted.token})
-    assert open_leases(c) == 0
+    assert open_leases(c) == c.ready_leases.count()
 
 
 def test_open_leases_and_uploads_share_one_staging_budget(fake_client, make_adapter):
     """test_shm.py::test_open_leases_and_uploads_share_one_staging_budget (6 MB)."""
     c = fake_client
+    c.ready_leases.release()  # a lease readied by an earlier push holds budget too
     leases = [lease(c, 3 * 2 ** 20) for _ in range(2)]
     try:
         with pytest.raises(LoRASyncError) as refused:

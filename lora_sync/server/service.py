@@ -152,7 +152,6 @@ class AdapterService:
                          for name, t in TRANSPORTS.items()}
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
-        self._background: set = set()                 # other work after a reply
         self.retired_names: OrderedDict[str, None] = OrderedDict()  # oldest first, bounded
 
     async def model_spec(self) -> ModelSpec:
@@ -239,8 +238,6 @@ class AdapterService:
                 staged.release()
         reply["timings_ms"].update(staged.timings_ms, settle=settle_ms,
                                    server=(time.perf_counter() - t0) * 1e3)
-        if staged.afterwards is not None:
-            self._in_background(staged.afterwards)
         return reply
 
     async def _install(self, transport: str, staged: Staged, cfg: dict, t0: float) -> dict:
@@ -291,12 +288,6 @@ class AdapterService:
         held = sum(t.held_bytes(self.contexts[n].state) for n, t in TRANSPORTS.items())
         return await self.staging.receive_body(raw.chunks, self.settings.body_limits,
                                                raw.content_length, held_elsewhere=held)
-
-    def _in_background(self, fn, *args) -> None:
-        """Runs `fn(*args)` on a thread after the reply (kept referenced until done)."""
-        task = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def retire_name(self, body: dict) -> dict:
         """Takes every version of a name out of service at once (the name no longer counts

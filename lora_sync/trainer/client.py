@@ -14,6 +14,7 @@ from ..errors import LoRASyncError, PushFailed, TooBusy
 from .fleet import FleetMemory
 from ..transports import TRANSPORTS, broadcast
 from ..transports.base import PushResult, SendContext, Server, Transport
+from ..transports.ready_lease import ReadyLeases
 from ..transports.shm import LeaseRefused
 
 # The engines' own routes for adapters on disk (the baseline lora-sync replaces).
@@ -42,12 +43,14 @@ class LoRASyncClient:
     server that has not answered by then is that server's failure (`unreachable`).
     `remember`: keep a copy of each name's newest adapter so a restarted server gets it
     back (`resync`); False keeps only version numbers (see lora_sync/fleet.py).
+    `lease_ahead`: after each shm push, ready the next lease of that name on a thread (see
+    transports/ready_lease.py): the next push only copies. False: none is held between pushes.
 
     Every reply is read as its route's typed message, at most 16 MiB; anything else is a
     LoRASyncError `bad_reply` naming the server (`e.server`)."""
 
     def __init__(self, servers, engine: str = "vllm", api_key: str | None = None,
-                 timeout: float = 300.0, remember: bool = True):
+                 timeout: float = 300.0, remember: bool = True, lease_ahead: bool = True):
         if isinstance(servers, (str, Server)):
             servers = [servers]
         self.servers = [s if isinstance(s, Server) else Server(s, engine) for s in servers]
@@ -62,6 +65,8 @@ class LoRASyncClient:
         self.memory = FleetMemory(remember)
         self._name_locks: dict[str, threading.Lock] = {}
         self.client_id = uuid.uuid4().hex  # servers bound shm leases per client by it
+        self.ready_leases = ReadyLeases(self.headers, self.client_id, self.probe_timeout) \
+            if lease_ahead else None
 
     # -- pushes -------------------------------------------------------------------------
     def push(self, adapter, name: str, version: int | None = None, transport: str = "auto",
@@ -152,7 +157,7 @@ class LoRASyncClient:
         each server at once (a stale server first gets what it lost), the transport
         finishes it."""
         ctx = SendContext(name, version, checksum, self.headers, self.timeout, self.client_id,
-                          self._group)
+                          self._group, self.ready_leases)
         sender = TRANSPORTS.get(transport)  # None: "auto", chosen per server
         outgoing = sender.prepare(adapter, ctx) if sender else None
         needs = sender.send_timeout(ctx) if sender else None
@@ -404,6 +409,8 @@ class LoRASyncClient:
     def close(self):
         if self._group is not None:
             self.destroy_group()
+        if self.ready_leases is not None:
+            self.ready_leases.close()
         self._pool.shutdown(wait=False)
 
     def __enter__(self):

@@ -53,6 +53,7 @@ class SendContext:
     timeout: float
     client_id: str
     group: Any = None             # the client's update group (broadcast), if it made one
+    ready: Any = None             # the client's leases readied ahead (shm: ReadyLeases)
 
 
 @dataclass
@@ -145,9 +146,6 @@ class Staged:
     background_s: float | None = None  # workers take it in on a thread, within this
     timings_ms: dict = field(default_factory=dict)
     on_failure: Callable | None = None  # (LoRASyncError) -> None, after a failed install
-    # Work for after a successful install, on a thread off the push path (shm: touching
-    # the pages of the next lease while the trainer computes its next step).
-    afterwards: Callable | None = None
 
     def intake(self, transport: str, adapter_id: int, config: dict) -> IntakeRequest:
         return IntakeRequest(transport, adapter_id, config, self.checksum, self.intake_args)

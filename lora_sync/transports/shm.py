@@ -20,11 +20,9 @@ import os
 import re
 import secrets
 import stat
-import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from functools import partial
 
 import torch
 
@@ -37,6 +35,7 @@ from .base import PushResult, Received, Route, SendContext, Server, ServerContex
 
 LEASE_ROUTE = "lora_sync_lease"
 CANCEL_ROUTE = "lora_sync_lease_cancel"
+RENEW_ROUTE = "lora_sync_lease_renew"
 COMMIT_ROUTE = "load_lora_adapter_from_lease"
 PROBE_BYTES = 16
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
@@ -76,6 +75,10 @@ class Lease:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def ticket(self) -> dict:
+        """What commits, cancels or renews it."""
+        return {"lease_id": self.lease_id, "token": self.token}
 
     @classmethod
     def from_json(cls, d: dict, server: str = "the server",
@@ -138,8 +141,6 @@ class LeaseTable:
     def __init__(self, ttl_s: float = 30.0, max_pending: int = 8):
         self.ttl_s, self.max_pending = ttl_s, max_pending
         self.pending: dict[str, _Pending] = {}
-        self._spare: tuple[int, int] | None = None   # (fd, nbytes): pre-touched memfd
-        self._spare_lock = threading.Lock()
 
     @property
     def held_bytes(self) -> int:
@@ -161,23 +162,18 @@ class LeaseTable:
         if self.held_bytes + nbytes > budget:
             raise TooBusy(f"open leases hold {self.held_bytes} bytes; {nbytes} more would "
                           f"pass LORA_SYNC_MAX_STAGING_MB ({budget} bytes)", code="staging_full")
-        fd = self._take_spare(nbytes)
+        fd = _new_memfd(nbytes)
         probe = secrets.token_bytes(PROBE_BYTES)
         os.pwrite(fd, probe, 0)
         lease_id, token = secrets.token_hex(16), secrets.token_hex(32)
-        held = self.pending[lease_id] = _Pending(fd, nbytes, _digest(token), client)
-        held.timer = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, lease_id)
+        self.pending[lease_id] = _Pending(fd, nbytes, _digest(token), client)
+        self._arm(lease_id)
         return Lease(lease_id, token, f"/proc/{os.getpid()}/fd/{fd}", probe.hex(), nbytes,
                      self.ttl_s)
 
     def take(self, req: CommitRequest) -> SealedBody:
         """Redeems a lease (once) and seals it: the bytes are fixed from here on."""
-        held = self.pending.get(req.lease_id)
-        if held is None:
-            raise NotFound("no open lease with this id: it expired, was committed or "
-                           "cancelled, or was never granted", code="unknown_lease")
-        if not hmac.compare_digest(held.token_digest, _digest(req.token)):
-            raise Forbidden("wrong token for this lease", code="bad_token")
+        held = self._redeemable(req)
         self._close_pending(req.lease_id, keep_fd=True)
         try:
             fcntl.fcntl(held.fd, fcntl.F_ADD_SEALS, _SEALS)
@@ -196,33 +192,31 @@ class LeaseTable:
             raise NotFound("no open lease with this id and token", code="unknown_lease")
         self._close_pending(req.lease_id)
 
-    def prepare_spare(self, nbytes: int) -> None:
-        """Pre-touches a memfd for the next lease of this size (run it off the push path):
-        fresh pages cost several times what pages already in the memfd do."""
-        with self._spare_lock:
-            if self._spare is not None and self._spare[1] == nbytes:
-                return
-        fd = _new_memfd(nbytes)
-        _touch(fd, nbytes)
-        with self._spare_lock:  # one spare, of the newest size (adapters change rarely)
-            old, self._spare = self._spare, (fd, nbytes)
-        if old is not None:
-            os.close(old[0])
+    def renew(self, req: CommitRequest) -> float:
+        """Restarts an open lease's time (a trainer keeping one ready for its next push);
+        returns its seconds. It still counts against the client's leases and the budget."""
+        self._redeemable(req)
+        self._arm(req.lease_id)
+        return self.ttl_s
 
     def close(self) -> None:
         for lease_id in list(self.pending):
             self._close_pending(lease_id)
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            os.close(spare[0])
 
-    def _take_spare(self, nbytes: int) -> int:
-        with self._spare_lock:  # prepare_spare runs on a thread
-            if self._spare is not None and self._spare[1] == nbytes:
-                fd, self._spare = self._spare[0], None
-                return fd
-        return _new_memfd(nbytes)
+    def _redeemable(self, req: CommitRequest) -> _Pending:
+        held = self.pending.get(req.lease_id)
+        if held is None:
+            raise NotFound("no open lease with this id: it expired, was committed or "
+                           "cancelled, or was never granted", code="unknown_lease")
+        if not hmac.compare_digest(held.token_digest, _digest(req.token)):
+            raise Forbidden("wrong token for this lease", code="bad_token")
+        return held
+
+    def _arm(self, lease_id: str) -> None:
+        held = self.pending[lease_id]
+        if held.timer is not None:
+            held.timer.cancel()
+        held.timer = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, lease_id)
 
     def _expire(self, lease_id: str) -> None:
         if lease_id in self.pending:
@@ -236,26 +230,6 @@ class LeaseTable:
             os.close(held.fd)
 
 
-def _touch(fd: int, nbytes: int) -> None:
-    """Allocates a memfd's pages now, through a mapping that asks for huge pages. Where the
-    operator allows them for shared memory (transparent_hugepage/shmem_enabled `advise`)
-    every later write and mapping of the lease handles 2 MiB pages, not 4 KiB ones: at rank
-    64 that took the trainer's write from 22 to 13 ms and the worker's mapping from 8 to
-    3.5 ms here. Elsewhere the advice does nothing."""
-    buf = mmap.mmap(fd, nbytes)
-    try:
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass
-        zeros = bytes(min(nbytes, 8 << 20))
-        for off in range(0, nbytes, len(zeros)):
-            n = min(len(zeros), nbytes - off)
-            buf[off:off + n] = zeros[:n]
-    finally:
-        buf.close()
-
-
 def _new_memfd(nbytes: int) -> int:
     fd = os.memfd_create(MEMFD_NAME, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)
@@ -267,34 +241,64 @@ def _digest(token: str) -> bytes:
 
 
 # -- trainer side ---------------------------------------------------------------------
-def write_lease(lease: Lease, chunks: list) -> bool:
-    """Writes the safetensors file (`chunks`: header bytes, then tensors) into the lease.
-    Returns False when the lease is not reachable from here (another host or PID
-    namespace): the caller then falls back to HTTP. Host memory goes in with `pwritev`,
-    straight from the tensors (a mapping's page tables cost about what the copy does);
-    tensors on a GPU are copied device to host into a mapping of the lease."""
+def open_lease(lease: Lease) -> int | None:
+    """The lease's memfd opened read-write, or None when it is not reachable from here
+    (another host or PID namespace) or is not the lease granted (wrong kind, size or probe)."""
     if not _LEASE_PATH.fullmatch(lease.path):
-        return False
+        return None
     try:
         fd = os.open(lease.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError:
-        return False
+        return None
+    if _is_lease_memfd(fd) and os.fstat(fd).st_size == lease.nbytes \
+            and os.pread(fd, PROBE_BYTES, 0) == bytes.fromhex(lease.probe):
+        return fd
+    os.close(fd)  # a file of that name, but not our lease
+    return None
+
+
+def map_lease(lease: Lease) -> mmap.mmap | None:
+    """The lease mapped shared and writable, its page tables filled now (None: unreachable).
+    Filling them is most of a write's cost: done ahead of a push, the push only copies."""
+    fd = open_lease(lease)
+    if fd is None:
+        return None
     try:
-        if not _is_lease_memfd(fd) or os.fstat(fd).st_size != lease.nbytes \
-                or os.pread(fd, PROBE_BYTES, 0) != bytes.fromhex(lease.probe):
-            return False  # a file of that name, but not our lease
-        if all(not isinstance(c, torch.Tensor) or c.device.type == "cpu" for c in chunks):
-            _pwrite_all(fd, chunks)
-            return True
-        buf = mmap.mmap(fd, lease.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        return mmap.mmap(fd, lease.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
         os.close(fd)
+
+
+def write_mapped(mapping: mmap.mmap, chunks: list) -> None:
+    """Copies the safetensors file (`chunks`) into a mapped lease, then unmaps it: the
+    server cannot seal a lease that is still mapped writable."""
     try:
         offset = 0
         for chunk in chunks:
-            offset = _copy_into(buf, offset, chunk)
+            offset = _copy_into(mapping, offset, chunk)
     finally:
-        buf.close()  # unmapped before the commit, or the server cannot seal it
+        mapping.close()
+
+
+def write_lease(lease: Lease, chunks: list) -> bool:
+    """Writes the safetensors file (`chunks`: header bytes, then tensors) into a lease just
+    granted; False when it is not reachable from here (the caller falls back to HTTP). Host
+    memory goes in with `pwritev`, straight from the tensors (filling a mapping's page
+    tables costs about what the copy does); tensors on a GPU are copied device to host into
+    a mapping of the lease."""
+    if all(not isinstance(c, torch.Tensor) or c.device.type == "cpu" for c in chunks):
+        fd = open_lease(lease)
+        if fd is None:
+            return False
+        try:
+            _pwrite_all(fd, chunks)
+        finally:
+            os.close(fd)
+        return True
+    mapping = map_lease(lease)
+    if mapping is None:
+        return False
+    write_mapped(mapping, chunks)
     return True
 
 
@@ -348,6 +352,11 @@ def total_bytes(chunks: list) -> int:
                for c in chunks)
 
 
+def _post(server: Server, route: str, ctx: SendContext, body: dict) -> tuple[dict, dict]:
+    return http.call("POST", server.route(route), headers=ctx.headers, timeout=ctx.timeout,
+                     json_body=body)
+
+
 class LeaseRefused(TooBusy):
     """The server granted no lease for want of room (429: too many open leases, staging
     full): `transport="auto"` sends this push over HTTP instead; the code is the server's."""
@@ -364,6 +373,7 @@ class ShmTransport(Transport):
         return {self.start_path: Route(lambda body, limits: LeaseRequest.from_json(
                     body, limits.max_body_bytes), self.grant),
                 f"/{CANCEL_ROUTE}": Route(ticket, self.cancel),
+                f"/{RENEW_ROUTE}": Route(ticket, self.renew),
                 self.push_path: Route(ticket)}
 
     # trainer side
@@ -372,26 +382,52 @@ class ShmTransport(Transport):
                                                               ctx.checksum))
 
     def send(self, parts: list, server: Server, ctx: SendContext) -> PushResult | None:
-        """Lease, write, commit. None (after cancelling the lease) when the server's memory
-        is not reachable from this process: the caller falls back to HTTP."""
-        t0 = time.perf_counter()
-        call = partial(http.call, "POST", headers=ctx.headers, timeout=ctx.timeout)
+        """Into the lease the client readied for this name (`ctx.ready`, see ready_lease.py)
+        if it has one, else lease, write, commit. None (after cancelling the lease) when the
+        server's memory is not reachable from this process: the caller falls back to HTTP.
+        After a push, the client readies the next lease of this size."""
         nbytes = total_bytes(parts)
+        result = None
+        if ctx.ready is not None:
+            result = self._send_ready(parts, server, ctx, nbytes)
+        if result is None:
+            result = self._send_fresh(parts, server, ctx, nbytes)
+        if result is not None and ctx.ready is not None:
+            ctx.ready.prepare(server, ctx.name, nbytes)
+        return result
+
+    def _send_ready(self, parts, server, ctx, nbytes) -> PushResult | None:
+        t0 = time.perf_counter()
+        ready = ctx.ready.take(server, ctx.name, nbytes)
+        if ready is None:
+            return None
+        t1 = time.perf_counter()
+        write_mapped(ready.mapping, parts)
         try:
-            granted, _ = call(server.route(LEASE_ROUTE), json_body={"nbytes": nbytes,
-                                                               "client": ctx.client_id})
+            return self._commit(ready.lease, server, ctx, t0, t1, time.perf_counter())
+        except NotFound:  # it expired (the trainer slept through its renewals) or restarted
+            return None
+
+    def _send_fresh(self, parts, server, ctx, nbytes) -> PushResult | None:
+        t0 = time.perf_counter()
+        try:
+            granted, _ = _post(server, LEASE_ROUTE, ctx, {"nbytes": nbytes,
+                                                          "client": ctx.client_id})
         except TooBusy as e:
             refused = LeaseRefused(e.message, code=e.code, status=e.status)
             refused.server = e.server
             raise refused from e
         lease = Lease.from_json(granted, server.url, nbytes)
-        ticket = {"lease_id": lease.lease_id, "token": lease.token}
         t1 = time.perf_counter()
         if not write_lease(lease, parts):
-            call(server.route(CANCEL_ROUTE), json_body=ticket)
+            _post(server, CANCEL_ROUTE, ctx, lease.ticket())
             return None
-        t2 = time.perf_counter()
-        reply, _ = call(server.route(COMMIT_ROUTE), json_body=ticket)
+        return self._commit(lease, server, ctx, t0, t1, time.perf_counter())
+
+    @staticmethod
+    def _commit(lease: Lease, server, ctx, t0: float, t1: float, t2: float) -> PushResult:
+        """The commit call; `t0`-`t1` was getting the lease, `t1`-`t2` writing it."""
+        reply, _ = _post(server, COMMIT_ROUTE, ctx, lease.ticket())
         result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                        ctx.version)
         timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
@@ -416,6 +452,9 @@ class ShmTransport(Transport):
         ctx.state.cancel(req)
         return {"cancelled": True}
 
+    async def renew(self, req: CommitRequest, ctx: ServerContext) -> dict:
+        return {"expires_s": ctx.state.renew(req)}
+
     async def stage(self, req: CommitRequest, ctx: ServerContext) -> Staged:
         sealed = ctx.state.take(req)
         t0 = time.perf_counter()
@@ -424,11 +463,8 @@ class ShmTransport(Transport):
         except BaseException:
             sealed.close()
             raise
-        staged = staged_file(StagedBody(sealed.path, sealed.nbytes, header), sealed,
-                             receive=(time.perf_counter() - t0) * 1e3)
-        # The next lease of this size gets pages touched once this push is done.
-        staged.afterwards = partial(ctx.state.prepare_spare, sealed.nbytes)
-        return staged
+        return staged_file(StagedBody(sealed.path, sealed.nbytes, header), sealed,
+                           receive=(time.perf_counter() - t0) * 1e3)
 
     # worker side
     def receive(self, intake, pool) -> Received:
@@ -471,17 +507,16 @@ def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor
 
 
 def map_sealed(path: str) -> tuple[wire.Header, dict] | None:
-    """A sealed body mapped shared and read-only, its page tables filled at once: no copy
-    (a private mapping would fault every page in one by one, about the cost of a copy).
-    The tensors view it; nobody, this process included, can write those bytes. Returns None
-    when `path` is not sealed."""
+    """A sealed body mapped shared and read-only: no copy. Its page tables fill as the
+    engine first reads each part (a read fault maps 16 pages at once: 7 ms for 70 MB here,
+    against 12 ms to fill them all up front and then read). The tensors view it; nobody,
+    this process included, can write those bytes. Returns None when `path` is not sealed."""
     with open(path, "rb") as f:
         fd = f.fileno()
         if not is_sealed(fd):
             return None
         header = read_header(fd, os.fstat(fd).st_size)
-        mapped = mmap.mmap(fd, header.total_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                           prot=mmap.PROT_READ)
+        mapped = mmap.mmap(fd, header.total_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     with warnings.catch_warnings():  # torch warns that the memory is not writable: intended
         warnings.simplefilter("ignore", UserWarning)
         return header, wire.view_tensors(mapped, header)

@@ -1,0 +1,176 @@
+"""shm's trainer side, one push ahead: the lease for a name's next push, granted, opened
+and mapped while the trainer computes its next step.
+
+Writing 70 MB into a lease just granted costs a round trip for the grant and a page-table
+entry per 4 KiB page (20 ms here), against 5 ms for the copy itself into memory already
+mapped. So after each push the client asks the server for the next lease of that size,
+maps it with its page tables filled (on a thread, off the push's path) and renews it at half
+its time, for steps of any length; the next push of that name only copies, unmaps and
+commits. The server's rules are those of any lease: sealed at commit, at most half the table
+per client, counted against staging memory while it waits, gone at its time unless renewed.
+
+One ready lease per server: a push of another name or size finds none (the one it finds is
+cancelled), and readies its own."""
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from .. import http, replies
+from ..errors import LoRASyncError
+from .base import Server
+from .shm import CANCEL_ROUTE, LEASE_ROUTE, RENEW_ROUTE, Lease, map_lease
+
+log = logging.getLogger(__name__)
+# A background call (grant, renewal, cancel) gives up after this: nothing waits on it but
+# the next push, which then takes the usual path.
+CALL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ReadyLease:
+    server: Server
+    name: str
+    lease: Lease
+    mapping: mmap.mmap            # shared, writable, page tables filled
+    timer: threading.Timer | None = None
+
+
+class ReadyLeases:
+    """Per client: for each server, at most one lease readied for the next push."""
+
+    def __init__(self, headers: dict, client_id: str, timeout: float = CALL_TIMEOUT_S):
+        self.headers, self.client_id = headers, client_id
+        self.timeout = min(timeout, CALL_TIMEOUT_S)
+        self._slots: dict[str, Future] = {}   # server url -> Future[ReadyLease | None]
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-sync-ready-lease")
+        self._closed = False
+
+    def take(self, server: Server, name: str, nbytes: int) -> ReadyLease | None:
+        """The lease readied for this push (waiting for one still being readied), or None;
+        a lease readied for another name or size is cancelled."""
+        with self._lock:
+            slot = self._slots.pop(server.url, None)
+        ready = slot.result() if slot is not None else None  # its calls are time-bounded
+        if ready is None:
+            return None
+        self._stop_renewing(ready)
+        if ready.name == name and ready.lease.nbytes == nbytes:
+            return ready
+        self._discard(ready)
+        return None
+
+    def prepare(self, server: Server, name: str, nbytes: int) -> None:
+        """Readies the next lease of `name` on `server` in the background."""
+        with self._lock:
+            if self._closed or server.url in self._slots:
+                return  # one per server: a concurrent push of another name readied one
+            self._slots[server.url] = self._pool.submit(self._ready, server, name, nbytes)
+
+    def ready_for(self, server_url: str) -> ReadyLease | None:
+        """The lease ready on that server now (None: none, or still being readied)."""
+        with self._lock:
+            slot = self._slots.get(server_url)
+        return slot.result() if slot is not None and slot.done() else None
+
+    def count(self) -> int:
+        """How many leases are ready (once those being readied are)."""
+        with self._lock:
+            slots = list(self._slots.values())
+        return sum(slot.result() is not None for slot in slots)
+
+    def release(self) -> None:
+        """Unmaps and cancels every ready lease (each cancel bounded by the call timeout);
+        later pushes ready new ones."""
+        with self._lock:
+            slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            ready = None if slot.cancelled() else slot.result()
+            if ready is not None:
+                self._stop_renewing(ready)
+                self._discard(ready)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.release()
+        self._pool.shutdown(wait=True)
+
+    # -- on the pool's thread ------------------------------------------------------------
+    def _ready(self, server: Server, name: str, nbytes: int) -> ReadyLease | None:
+        """None where no lease could be readied: the next push takes the usual path."""
+        try:
+            granted = self._post(server, LEASE_ROUTE, {"nbytes": nbytes,
+                                                       "client": self.client_id})
+            lease = Lease.from_json(granted, server.url, nbytes)
+        except LoRASyncError as e:  # refused (room, auth) or unreachable
+            log.debug("no lease readied on %s: %s", server.url, e)
+            return None
+        try:
+            mapping = map_lease(lease)
+        except OSError as e:  # out of memory or address space
+            log.warning("could not map a lease of %d bytes from %s: %s", nbytes,
+                        server.url, e)
+            mapping = None
+        if mapping is None:
+            self._cancel(server, lease)
+            return None
+        ready = ReadyLease(server, name, lease, mapping)
+        self._renew_later(ready)
+        return ready
+
+    def _renew_later(self, ready: ReadyLease) -> None:
+        ready.timer = threading.Timer(ready.lease.expires_s / 2, self._renew, (ready,))
+        ready.timer.daemon = True
+        ready.timer.start()
+
+    def _renew(self, ready: ReadyLease) -> None:
+        """On the timer's thread: keeps the lease while it is still the server's ready one."""
+        try:
+            reply = self._post(ready.server, RENEW_ROUTE, ready.lease.ticket())
+            expires_s = replies.field(reply, "expires_s", float, server=ready.server.url,
+                                      what="lease renewal", lo=0)
+        except LoRASyncError as e:
+            log.debug("ready lease on %s lapsed: %s", ready.server.url, e)
+            if self._unslot(ready):
+                ready.mapping.close()
+            return
+        with self._lock:
+            if self._current(ready):
+                ready.lease = replace(ready.lease, expires_s=expires_s)
+                self._renew_later(ready)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _current(self, ready: ReadyLease) -> bool:
+        slot = self._slots.get(ready.server.url)
+        return slot is not None and slot.done() and slot.result() is ready
+
+    def _unslot(self, ready: ReadyLease) -> bool:
+        with self._lock:
+            if not self._current(ready):
+                return False  # a push took it: the push owns the mapping now
+            del self._slots[ready.server.url]
+            return True
+
+    @staticmethod
+    def _stop_renewing(ready: ReadyLease) -> None:
+        if ready.timer is not None:
+            ready.timer.cancel()
+
+    def _discard(self, ready: ReadyLease) -> None:
+        ready.mapping.close()
+        self._cancel(ready.server, ready.lease)
+
+    def _cancel(self, server: Server, lease: Lease) -> None:
+        try:
+            self._post(server, CANCEL_ROUTE, lease.ticket())
+        except LoRASyncError:
+            pass  # it goes at its time on the server anyway
+
+    def _post(self, server: Server, route: str, body: dict) -> dict:
+        return http.call("POST", server.route(route), headers=self.headers,
+                         timeout=self.timeout, json_body=body)[0]
