@@ -24,9 +24,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+import torch
 
-from lora_sync import (BadAdapter, LoRASyncClient, LoRASyncError, NotFound, Unauthorized,
-                       VersionConflict, check_adapter, http, wire)
+from lora_sync import (BadAdapter, LoRAAdapter, LoRASyncClient, LoRASyncError, NotFound,
+                       Unauthorized, VersionConflict, check_adapter, http, wire)
 from lora_sync.transports import shm
 
 from .conftest import SERVER_ENV
@@ -103,6 +104,14 @@ def commit(client, ticket) -> tuple[int, dict]:
     status, reply, _ = http.request("POST", route(client, shm.COMMIT_ROUTE),
                                     json_body=ticket, headers=AUTH)
     return status, reply
+
+
+def fill(granted: shm.Lease, parts: list) -> bool:
+    """Writes `parts` into a lease as the trainer does; False where it cannot reach it."""
+    read_fd = shm.write_lease(granted, parts)
+    if read_fd is not None:
+        os.close(read_fd)
+    return read_fd is not None
 
 
 def parts_of(adapter, name: str, version=None) -> list:
@@ -960,7 +969,7 @@ def test_committed_bytes_cannot_change(fake_client, make_adapter):
     before = greedy(c, "seal")
     parts = parts_of(make_adapter(seed=812), "seal")
     granted = lease(c, shm.total_bytes(parts))
-    assert shm.write_lease(granted, parts)
+    assert fill(granted, parts)
     fd = os.open(granted.path, os.O_RDWR)
     held = mmap.mmap(fd, granted.nbytes)  # still mapped writable at commit time
     status, reply = commit(c, granted)
@@ -970,7 +979,7 @@ def test_committed_bytes_cannot_change(fake_client, make_adapter):
     assert versions_of(c, "seal") == [1] and greedy(c, "seal") == before
 
     granted = lease(c, shm.total_bytes(parts))
-    assert shm.write_lease(granted, parts)
+    assert fill(granted, parts)
     fd = os.open(granted.path, os.O_RDWR)  # kept open across the commit
     try:
         status, reply = commit(c, granted)
@@ -996,7 +1005,7 @@ def test_abused_leases_are_refused_and_change_nothing(fake_client, make_adapter)
     size = shm.total_bytes(parts)
 
     granted = lease(c, size)
-    assert shm.write_lease(granted, parts)
+    assert fill(granted, parts)
     status, reply = commit(c, {"lease_id": granted.lease_id, "token": "0" * 64})
     assert (status, error_of(reply)[1]) == (403, "bad_token"), reply
     for bad_id in ("../../etc/passwd", "/proc/1/fd/0", "0" * 31 + "g", granted.path):
@@ -1009,11 +1018,11 @@ def test_abused_leases_are_refused_and_change_nothing(fake_client, make_adapter)
     after = greedy(c, "abuse")
 
     wrong = lease(c, size + 4096)                 # a lease of the wrong size
-    assert shm.write_lease(wrong, parts)
+    assert fill(wrong, parts)
     status, reply = commit(c, wrong)
     assert (status, error_of(reply)[1]) == (400, "bad_safetensors"), reply
     short = lease(c, size - 4096)                 # the header promises more bytes
-    assert shm.write_lease(short, parts[:1])
+    assert fill(short, parts[:1])
     status, reply = commit(c, short)
     assert status == 400, reply
     for nbytes in (0, -1, 2 ** 62, "10", 1.5, MAX_BODY + 1):
@@ -1047,7 +1056,7 @@ def test_leases_never_committed_expire(make_fake_server):
         wait_until(lambda: open_leases(c) == 0, timeout_s=5, what="the lease expired")
         status, reply = commit(c, granted)
         assert (status, error_of(reply)[1]) == (404, "unknown_lease"), reply
-        assert not shm.write_lease(granted, [b"late"])  # its descriptor is closed
+        assert not fill(granted, [b"late"])  # its descriptor is closed
 
 
 def ready_ticket(client) -> dict:
@@ -1079,6 +1088,29 @@ def test_a_push_readies_the_next_lease_and_the_next_push_fills_it(make_fake_serv
         assert status_of_renew(c, second) == 404
     with LoRASyncClient(server.url, api_key=server.api_key) as c:
         assert open_leases(c) == 0  # the closed client cancelled what it held
+
+
+def test_what_an_shm_push_keeps_for_a_resync_is_the_sealed_lease(make_fake_server,
+                                                                 make_adapter):
+    """After an shm push the client's resync copy views the sealed lease (no copy of its
+    own): the bytes as pushed, whatever the trainer does next, and still there after the
+    server that holds the lease is gone."""
+    adapter = make_adapter(seed=871)
+    pushed = {k: t.clone() for k, t in adapter.tensors.items()}
+    server = make_fake_server()
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        c.push(adapter, "kept", transport="shm")
+        kept = c.memory.newest["kept"]
+        assert kept.flat is None  # nothing copied on the client
+        for t in adapter.tensors.values():
+            t.add_(1.0)  # the optimizer step after the push
+        server.stop()  # closes the server's descriptor of the lease
+        assert all(torch.equal(kept.adapter.tensors[k], pushed[k]) for k in pushed)
+        [(_, lent)] = c.memory.newest_copies(lambda name, version: True)
+    other = make_fake_server()
+    with LoRASyncClient(other.url, api_key=other.api_key) as c:
+        c.push(lent.adapter, "kept", version=1, transport="tensors")
+        assert greedy(c, "kept") == served_text(LoRAAdapter(pushed, adapter.config))
 
 
 def status_of_renew(client, ticket: dict) -> int:

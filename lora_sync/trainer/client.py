@@ -11,7 +11,7 @@ from . import sharded
 from ..adapter import LoRAAdapter
 from ..collective import free_port
 from ..errors import LoRASyncError, PushFailed, TooBusy
-from .fleet import FleetMemory
+from .fleet import FleetMemory, Newest
 from ..transports import TRANSPORTS, broadcast
 from ..transports.base import PushResult, SendContext, Server, Transport
 from ..transports.ready_lease import ReadyLeases
@@ -129,22 +129,36 @@ class LoRASyncClient:
         if chosen:
             version = self.memory.next_version(
                 name, lambda n: self.newest_versions(n, deadline=deadline))
-        kept = []  # the adapter's bytes as pushed, copied while the servers work on them
+        # What the client keeps of the push, for a resync: the sealed lease itself where shm
+        # carries it (no copy), else a copy made while the servers work on the push.
+        viewed = self.memory.remember and (transport == "shm" or transport == "auto" and all(
+            self._same_host.get(s.url, True) for s in self.servers))
+        copied = []
+
+        def kept_of(results) -> Newest | None:
+            mapped = next((r.kept for r in results if r.ok and r.kept is not None), None)
+            if mapped is not None:
+                return Newest(0, LoRAAdapter(mapped, dict(adapter.config)))
+            if not copied:  # shm fell back to HTTP: copy now, before the call returns
+                copied.append(self.memory.snapshot(name, adapter))
+            return copied[0]
         results = self._send(adapter, name, version, transport, checksum, deadline,
-                             alongside=lambda: kept.append(self.memory.snapshot(name, adapter)))
+                             alongside=None if viewed else lambda: copied.append(
+                                 self.memory.snapshot(name, adapter)), keep=viewed)
         if chosen and (transport == "auto" or TRANSPORTS[transport].per_server) \
                 and any(r.error.code == "version_conflict" for r in results if not r.ok):
             # A server holds a newer version (another client or the CLI pushed): number
             # above the servers' newest and push once more, to every server alike.
             if any(r.ok for r in results):
-                self.memory.pushed(name, version, kept[0])
+                self.memory.pushed(name, version, kept_of(results))
             held = [v for v in self.newest_versions(name, deadline=deadline) if v]
             version = max(held + [version]) + 1
-            results = self._send(adapter, name, version, transport, checksum, deadline)
+            results = self._send(adapter, name, version, transport, checksum, deadline,
+                                 keep=viewed)
         if any(r.ok for r in results):
-            self.memory.pushed(name, version, kept[0])
-        else:
-            self.memory.unused(name, kept[0])
+            self.memory.pushed(name, version, kept_of(results))
+        elif copied:
+            self.memory.unused(name, copied[0])
         restarted = {r.server for r in results if r.ok and self.memory.saw(r.server,
                                                                            r.instance_id)}
         self.memory.stale.update(r.server for r in results if not r.ok)
@@ -152,12 +166,12 @@ class LoRASyncClient:
         return results
 
     def _send(self, adapter: LoRAAdapter, name, version, transport, checksum, deadline,
-              alongside=None):
+              alongside=None, keep: bool = False):
         """One push to every server: the transport prepares it once, the client sends it to
         each server at once (a stale server first gets what it lost), the transport
         finishes it."""
         ctx = SendContext(name, version, checksum, self.headers, self.timeout, self.client_id,
-                          self._group, self.ready_leases)
+                          self._group, self.ready_leases, keep)
         sender = TRANSPORTS.get(transport)  # None: "auto", chosen per server
         outgoing = sender.prepare(adapter, ctx) if sender else None
         needs = sender.send_timeout(ctx) if sender else None

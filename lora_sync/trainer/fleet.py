@@ -7,7 +7,9 @@ or a restarted trainer picks up where it was.
     adapter's bytes per name, in host memory) to re-push after a server restart.
 
 A copy, not a reference: PEFT's state dict shares memory with the live parameters, so a
-reference would re-push weights newer than the version number it carries."""
+reference would re-push weights newer than the version number it carries. After an shm push
+the copy is the sealed lease itself, mapped read-only (its pages are the server's: no bytes
+are copied, and they stay while the client keeps them, whatever the server does)."""
 from __future__ import annotations
 
 import threading

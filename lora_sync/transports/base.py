@@ -54,6 +54,7 @@ class SendContext:
     client_id: str
     group: Any = None             # the client's update group (broadcast), if it made one
     ready: Any = None             # the client's leases readied ahead (shm: ReadyLeases)
+    keep: bool = False            # return the tensors as pushed where that is free (shm)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class PushResult:
     reply: dict = field(default_factory=dict)
     instance_id: str = ""         # the server instance that took it
     error: Exception | None = None  # a LoRASyncError when this server failed
+    # With SendContext.keep, shm: the pushed tensors, viewing the sealed lease read-only.
+    kept: dict | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -84,7 +87,8 @@ class PushResult:
     def to_json(self) -> dict:
         """For handing the result to the other ranks of a sharded trainer (no pickle)."""
         err = self.error
-        return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "error"},
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__
+                   if k not in ("error", "kept")},
                 "error": err.to_json()["error"] if err is not None else None}
 
     @classmethod

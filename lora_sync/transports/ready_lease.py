@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -36,7 +37,12 @@ class ReadyLease:
     name: str
     lease: Lease
     mapping: mmap.mmap            # shared, writable, page tables filled
+    read_fd: int                  # the same memfd, read only (see shm.reopen_read_only)
     timer: threading.Timer | None = None
+
+    def close(self) -> None:
+        self.mapping.close()
+        os.close(self.read_fd)
 
 
 class ReadyLeases:
@@ -111,15 +117,15 @@ class ReadyLeases:
             log.debug("no lease readied on %s: %s", server.url, e)
             return None
         try:
-            mapping = map_lease(lease)
+            mapped = map_lease(lease)
         except OSError as e:  # out of memory or address space
             log.warning("could not map a lease of %d bytes from %s: %s", nbytes,
                         server.url, e)
-            mapping = None
-        if mapping is None:
+            mapped = None
+        if mapped is None:
             self._cancel(server, lease)
             return None
-        ready = ReadyLease(server, name, lease, mapping)
+        ready = ReadyLease(server, name, lease, *mapped)
         self._renew_later(ready)
         return ready
 
@@ -137,7 +143,7 @@ class ReadyLeases:
         except LoRASyncError as e:
             log.debug("ready lease on %s lapsed: %s", ready.server.url, e)
             if self._unslot(ready):
-                ready.mapping.close()
+                ready.close()
             return
         with self._lock:
             if self._current(ready):
@@ -162,7 +168,7 @@ class ReadyLeases:
             ready.timer.cancel()
 
     def _discard(self, ready: ReadyLease) -> None:
-        ready.mapping.close()
+        ready.close()
         self._cancel(ready.server, ready.lease)
 
     def _cancel(self, server: Server, lease: Lease) -> None:

@@ -257,14 +257,28 @@ def open_lease(lease: Lease) -> int | None:
     return None
 
 
-def map_lease(lease: Lease) -> mmap.mmap | None:
-    """The lease mapped shared and writable, its page tables filled now (None: unreachable).
-    Filling them is most of a write's cost: done ahead of a push, the push only copies."""
+def reopen_read_only(fd: int) -> int:
+    """The same file through a read-only descriptor: a mapping of it does not stop the
+    server's seal, and it is the file this process checked, whatever the server does with
+    its descriptor numbers."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def map_lease(lease: Lease) -> tuple[mmap.mmap, int] | None:
+    """The lease mapped shared and writable, its page tables filled now, and a read-only
+    descriptor of it (None: unreachable). Filling the page tables is most of a write's cost:
+    done ahead of a push, the push only copies."""
     fd = open_lease(lease)
     if fd is None:
         return None
     try:
-        return mmap.mmap(fd, lease.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        read_fd = reopen_read_only(fd)
+        try:
+            return mmap.mmap(fd, lease.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), \
+                read_fd
+        except BaseException:
+            os.close(read_fd)
+            raise
     finally:
         os.close(fd)
 
@@ -280,26 +294,32 @@ def write_mapped(mapping: mmap.mmap, chunks: list) -> None:
         mapping.close()
 
 
-def write_lease(lease: Lease, chunks: list) -> bool:
+def write_lease(lease: Lease, chunks: list) -> int | None:
     """Writes the safetensors file (`chunks`: header bytes, then tensors) into a lease just
-    granted; False when it is not reachable from here (the caller falls back to HTTP). Host
-    memory goes in with `pwritev`, straight from the tensors (filling a mapping's page
-    tables costs about what the copy does); tensors on a GPU are copied device to host into
-    a mapping of the lease."""
+    granted; returns a read-only descriptor of it, or None when it is not reachable from
+    here (the caller falls back to HTTP). Host memory goes in with `pwritev`, straight from
+    the tensors (filling a mapping's page tables costs about what the copy does); tensors on
+    a GPU are copied device to host into a mapping of the lease."""
     if all(not isinstance(c, torch.Tensor) or c.device.type == "cpu" for c in chunks):
         fd = open_lease(lease)
         if fd is None:
-            return False
+            return None
         try:
-            _pwrite_all(fd, chunks)
+            read_fd = reopen_read_only(fd)
+            try:
+                _pwrite_all(fd, chunks)
+            except BaseException:
+                os.close(read_fd)
+                raise
         finally:
             os.close(fd)
-        return True
-    mapping = map_lease(lease)
-    if mapping is None:
-        return False
+        return read_fd
+    mapped = map_lease(lease)
+    if mapped is None:
+        return None
+    mapping, read_fd = mapped
     write_mapped(mapping, chunks)
-    return True
+    return read_fd
 
 
 def _pwrite_all(fd: int, chunks: list) -> None:
@@ -404,9 +424,11 @@ class ShmTransport(Transport):
         t1 = time.perf_counter()
         write_mapped(ready.mapping, parts)
         try:
-            return self._commit(ready.lease, server, ctx, t0, t1, time.perf_counter())
+            return self._commit(ready.lease, ready.read_fd, server, ctx, t0, t1)
         except NotFound:  # it expired (the trainer slept through its renewals) or restarted
             return None
+        finally:
+            os.close(ready.read_fd)
 
     def _send_fresh(self, parts, server, ctx, nbytes) -> PushResult | None:
         t0 = time.perf_counter()
@@ -419,19 +441,29 @@ class ShmTransport(Transport):
             raise refused from e
         lease = Lease.from_json(granted, server.url, nbytes)
         t1 = time.perf_counter()
-        if not write_lease(lease, parts):
+        read_fd = write_lease(lease, parts)
+        if read_fd is None:
             _post(server, CANCEL_ROUTE, ctx, lease.ticket())
             return None
-        return self._commit(lease, server, ctx, t0, t1, time.perf_counter())
+        try:
+            return self._commit(lease, read_fd, server, ctx, t0, t1)
+        finally:
+            os.close(read_fd)
 
     @staticmethod
-    def _commit(lease: Lease, server, ctx, t0: float, t1: float, t2: float) -> PushResult:
-        """The commit call; `t0`-`t1` was getting the lease, `t1`-`t2` writing it."""
+    def _commit(lease: Lease, read_fd: int, server, ctx, t0: float, t1: float) -> PushResult:
+        """The commit call, once the lease is written (`t0`-`t1` was getting it). With
+        `ctx.keep`, the result keeps the tensors as the server holds them (`kept`): a
+        read-only view of the sealed lease, no copy."""
+        t2 = time.perf_counter()
         reply, _ = _post(server, COMMIT_ROUTE, ctx, lease.ticket())
         result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                        ctx.version)
         timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
         timings.update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
+        if ctx.keep:
+            viewed = view_sealed(read_fd)
+            result.kept = viewed[1] if viewed is not None else None
         return result
 
     # server side
@@ -509,14 +541,19 @@ def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor
 def map_sealed(path: str) -> tuple[wire.Header, dict] | None:
     """A sealed body mapped shared and read-only: no copy. Its page tables fill as the
     engine first reads each part (a read fault maps 16 pages at once: 7 ms for 70 MB here,
-    against 12 ms to fill them all up front and then read). The tensors view it; nobody,
-    this process included, can write those bytes. Returns None when `path` is not sealed."""
+    against 12 ms to fill them all up front and then read). Returns None when `path` is not
+    sealed."""
     with open(path, "rb") as f:
-        fd = f.fileno()
-        if not is_sealed(fd):
-            return None
-        header = read_header(fd, os.fstat(fd).st_size)
-        mapped = mmap.mmap(fd, header.total_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return view_sealed(f.fileno())
+
+
+def view_sealed(fd: int) -> tuple[wire.Header, dict] | None:
+    """The tensors of a sealed file, viewing a read-only shared mapping of it: nobody, this
+    process included, can write those bytes. None when the file is not sealed."""
+    if not is_sealed(fd):
+        return None
+    header = read_header(fd, os.fstat(fd).st_size)
+    mapped = mmap.mmap(fd, header.total_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     with warnings.catch_warnings():  # torch warns that the memory is not writable: intended
         warnings.simplefilter("ignore", UserWarning)
         return header, wire.view_tensors(mapped, header)
