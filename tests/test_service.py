@@ -1101,12 +1101,12 @@ def test_what_an_shm_push_keeps_for_a_resync_is_the_sealed_lease(make_fake_serve
     with LoRASyncClient(server.url, api_key=server.api_key) as c:
         c.push(adapter, "kept", transport="shm")
         kept = c.memory.newest["kept"]
-        assert kept.flat is None  # nothing copied on the client
+        assert kept.flat is None and kept.sealed is not None  # nothing copied on the client
         for t in adapter.tensors.values():
             t.add_(1.0)  # the optimizer step after the push
         server.stop()  # closes the server's descriptor of the lease
-        assert all(torch.equal(kept.adapter.tensors[k], pushed[k]) for k in pushed)
         [(_, lent)] = c.memory.newest_copies(lambda name, version: True)
+        assert all(torch.equal(lent.adapter.tensors[k], pushed[k]) for k in pushed)
     other = make_fake_server()
     with LoRASyncClient(other.url, api_key=other.api_key) as c:
         c.push(lent.adapter, "kept", version=1, transport="tensors")

@@ -122,6 +122,8 @@ class LoRASyncClient:
             return self._push_in_order(adapter, name, version, transport, checksum, deadline)
         finally:
             lock.release()
+            if self.ready_leases is not None:
+                self.ready_leases.start()  # the next leases, readied after this push
 
     def _push_in_order(self, adapter: LoRAAdapter, name, version, transport, checksum,
                        deadline: float):
@@ -136,9 +138,9 @@ class LoRASyncClient:
         copied = []
 
         def kept_of(results) -> Newest | None:
-            mapped = next((r.kept for r in results if r.ok and r.kept is not None), None)
-            if mapped is not None:
-                return Newest(0, LoRAAdapter(mapped, dict(adapter.config)))
+            sealed = next((r.kept for r in results if r.ok and r.kept is not None), None)
+            if sealed is not None:
+                return Newest(0, None, sealed=sealed, config=dict(adapter.config))
             if not copied:  # shm fell back to HTTP: copy now, before the call returns
                 copied.append(self.memory.snapshot(name, adapter))
             return copied[0]

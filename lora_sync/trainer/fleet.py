@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..adapter import LoRAAdapter
+from ..transports.shm import view_mapped
 
 
 @dataclass
@@ -25,6 +27,23 @@ class Newest:
     version: int
     adapter: LoRAAdapter | None   # None when the client does not remember adapters
     flat: torch.Tensor | None = None  # the one buffer `adapter`'s tensors view
+    # Or, after an shm push: the sealed lease mapped read-only, and the adapter's config
+    # (its tensors are viewed only when a resync needs them).
+    sealed: Any = None
+    config: dict | None = None
+
+    @property
+    def kept(self) -> bool:
+        return self.adapter is not None or self.sealed is not None
+
+    def lent(self) -> "Newest":
+        """A copy of its own, for a resync (which may outlive the buffer behind `flat`);
+        a sealed lease is viewed as it is: nobody can change it."""
+        if self.sealed is not None:
+            return Newest(self.version, LoRAAdapter(view_mapped(self.sealed)[1],
+                                                    dict(self.config)))
+        return Newest(self.version, LoRAAdapter(
+            {k: t.clone() for k, t in self.adapter.tensors.items()}, dict(self.adapter.config)))
 
 
 @dataclass
@@ -66,10 +85,12 @@ class FleetMemory:
         return Newest(0, LoRAAdapter(kept, dict(adapter.config)), flat)
 
     def pushed(self, name: str, version: int, kept: Newest | None) -> None:
-        """`kept`: the push's `snapshot`. The copy it replaces becomes the name's spare."""
+        """`kept`: the push's `snapshot` (or its sealed lease). The copy it replaces becomes
+        the name's spare."""
         with self._lock:
             old = self.newest.get(name)
-            self.newest[name] = Newest(version, kept and kept.adapter, kept and kept.flat)
+            self.newest[name] = Newest(version, kept and kept.adapter, kept and kept.flat,
+                                       kept and kept.sealed, kept and kept.config)
             if old is not None and old.flat is not None and old.flat is not self.newest[name].flat:
                 self._spare[name] = old.flat
 
@@ -92,10 +113,8 @@ class FleetMemory:
         as copies of their own: the buffers behind `newest` become spares, and a resync may
         outlive that."""
         with self._lock:
-            return [(name, Newest(n.version, LoRAAdapter(
-                {k: t.clone() for k, t in n.adapter.tensors.items()}, dict(n.adapter.config))))
-                for name, n in self.newest.items()
-                if n.adapter is not None and wanted(name, n.version)]
+            return [(name, n.lent()) for name, n in self.newest.items()
+                    if n.kept and wanted(name, n.version)]
 
     def saw(self, server_url: str, instance_id: str | None) -> bool:
         """Records the instance a server replied from; True when it changed (a restart),

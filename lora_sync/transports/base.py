@@ -68,8 +68,8 @@ class PushResult:
     reply: dict = field(default_factory=dict)
     instance_id: str = ""         # the server instance that took it
     error: Exception | None = None  # a LoRASyncError when this server failed
-    # With SendContext.keep, shm: the pushed tensors, viewing the sealed lease read-only.
-    kept: dict | None = field(default=None, repr=False)
+    # With SendContext.keep, shm: the file as pushed, the sealed lease mapped read-only.
+    kept: Any = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:

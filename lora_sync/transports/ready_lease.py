@@ -52,6 +52,7 @@ class ReadyLeases:
         self.headers, self.client_id = headers, client_id
         self.timeout = min(timeout, CALL_TIMEOUT_S)
         self._slots: dict[str, Future] = {}   # server url -> Future[ReadyLease | None]
+        self._wanted: dict[str, tuple] = {}   # server url -> (server, name, nbytes)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-sync-ready-lease")
         self._closed = False
@@ -70,12 +71,20 @@ class ReadyLeases:
         self._discard(ready)
         return None
 
-    def prepare(self, server: Server, name: str, nbytes: int) -> None:
-        """Readies the next lease of `name` on `server` in the background."""
+    def want(self, server: Server, name: str, nbytes: int) -> None:
+        """Asks for the next lease of `name` on `server`, readied once `start` is called:
+        the client calls it when its push has returned, so that the push never waits on
+        the work it starts (70 MB of fresh pages to fill)."""
         with self._lock:
-            if self._closed or server.url in self._slots:
-                return  # one per server: a concurrent push of another name readied one
-            self._slots[server.url] = self._pool.submit(self._ready, server, name, nbytes)
+            self._wanted[server.url] = (server, name, nbytes)
+
+    def start(self) -> None:
+        """Readies what was wanted, in the background."""
+        with self._lock:
+            wanted, self._wanted = self._wanted, {}
+            for url, (server, name, nbytes) in wanted.items():
+                if not self._closed and url not in self._slots:  # one per server
+                    self._slots[url] = self._pool.submit(self._ready, server, name, nbytes)
 
     def ready_for(self, server_url: str) -> ReadyLease | None:
         """The lease ready on that server now (None: none, or still being readied)."""

@@ -424,7 +424,7 @@ class ShmTransport(Transport):
         """Into the lease the client readied for this name (`ctx.ready`, see ready_lease.py)
         if it has one, else lease, write, commit. None (after cancelling the lease) when the
         server's memory is not reachable from this process: the caller falls back to HTTP.
-        After a push, the client readies the next lease of this size."""
+        After a push, it asks for the next lease of this size to be readied."""
         nbytes = total_bytes(parts)
         result = None
         if ctx.ready is not None:
@@ -432,7 +432,7 @@ class ShmTransport(Transport):
         if result is None:
             result = self._send_fresh(parts, server, ctx, nbytes)
         if result is not None and ctx.ready is not None:
-            ctx.ready.prepare(server, ctx.name, nbytes)
+            ctx.ready.want(server, ctx.name, nbytes)
         return result
 
     def _send_ready(self, parts, server, ctx, nbytes) -> PushResult | None:
@@ -472,8 +472,8 @@ class ShmTransport(Transport):
     @staticmethod
     def _commit(lease: Lease, read_fd: int, server, ctx, t0: float, t1: float) -> PushResult:
         """The commit call, once the lease is written (`t0`-`t1` was getting it). With
-        `ctx.keep`, the result keeps the tensors as the server holds them (`kept`): a
-        read-only view of the sealed lease, no copy."""
+        `ctx.keep`, the result keeps the file as the server holds it (`kept`): the sealed
+        lease mapped read-only, no copy (its tensors: `view_mapped`)."""
         t2 = time.perf_counter()
         reply, _ = _post(server, COMMIT_ROUTE, ctx, lease.ticket())
         result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
@@ -481,8 +481,7 @@ class ShmTransport(Transport):
         timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
         timings.update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
         if ctx.keep:
-            viewed = view_sealed(read_fd)
-            result.kept = viewed[1] if viewed is not None else None
+            result.kept = map_read_only(read_fd)
         return result
 
     # server side
@@ -570,10 +569,20 @@ def map_sealed(path: str) -> tuple[wire.Header, dict] | None:
 def view_sealed(fd: int) -> tuple[wire.Header, dict] | None:
     """The tensors of a sealed file, viewing a read-only shared mapping of it: nobody, this
     process included, can write those bytes. None when the file is not sealed."""
+    mapped = map_read_only(fd)
+    return None if mapped is None else view_mapped(mapped)
+
+
+def map_read_only(fd: int) -> mmap.mmap | None:
+    """A sealed file mapped shared and read-only (None when it is not sealed)."""
     if not is_sealed(fd):
         return None
-    header = read_header(fd, os.fstat(fd).st_size)
-    mapped = mmap.mmap(fd, header.total_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+
+
+def view_mapped(mapped: mmap.mmap) -> tuple[wire.Header, dict]:
+    """The header of a mapped safetensors file, checked, and tensors viewing it."""
+    header = wire.parse_header(mapped[:wire.header_length(mapped[:8])], len(mapped))
     with warnings.catch_warnings():  # torch warns that the memory is not writable: intended
         warnings.simplefilter("ignore", UserWarning)
         return header, wire.view_tensors(mapped, header)
