@@ -185,7 +185,7 @@ def test_auto_picks_shm_on_the_same_host_and_leaks_no_lease_detail(fake_client, 
     listed = json.dumps(fake_client.adapters()[0]) + json.dumps(res.reply)
     assert "/proc/" not in listed and "token" not in listed and "lease_id" not in listed
     # The only lease left open is the one readied for this name's next push.
-    assert open_leases(fake_client) == fake_client.ready_leases.count() == 1
+    assert fake_client.ready_leases.count() == open_leases(fake_client) == 1
 
 
 @pytest.mark.parametrize("transport", ["tensors", "shm", "broadcast"])
@@ -1044,7 +1044,7 @@ def test_abused_leases_are_refused_and_change_nothing(fake_client, make_adapter)
         assert status == 400, bad
     assert versions_of(c, "abuse") == [1, 2] and greedy(c, "abuse") == after
     assert greedy(c, "abuse-v1") == before
-    assert open_leases(c) == c.ready_leases.count()
+    assert c.ready_leases.count() == open_leases(c)
 
 
 def test_leases_never_committed_expire(make_fake_server):
@@ -1076,7 +1076,7 @@ def test_a_push_readies_the_next_lease_and_the_next_push_fills_it(make_fake_serv
     with LoRASyncClient(server.url, api_key=server.api_key) as c:
         c.push(small, "ahead", transport="shm")
         first = ready_ticket(c)
-        assert open_leases(c) == c.ready_leases.count() == 1
+        assert c.ready_leases.count() == open_leases(c) == 1
         c.push(make_adapter(seed=853), "ahead", transport="shm")
         assert greedy(c, "ahead") == served_text(make_adapter(seed=853))
         assert commit(c, first)[0] == 404  # committed by the push: it is gone
@@ -1168,7 +1168,7 @@ def test_leases_are_bounded_per_client(fake_client):
         for granted in held:
             http.call("POST", route(c, shm.CANCEL_ROUTE), headers=AUTH,
                       json_body={"lease_id": granted.lease_id, "token": granted.token})
-    assert open_leases(c) == c.ready_leases.count()
+    assert c.ready_leases.count() == open_leases(c)
 
 
 def test_open_leases_and_uploads_share_one_staging_budget(fake_client, make_adapter):

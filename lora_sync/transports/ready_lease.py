@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 # A background call (grant, renewal, cancel) gives up after this: nothing waits on it but
 # the next push, which then takes the usual path.
 CALL_TIMEOUT_S = 10.0
+# The readying thread waits this long first, so that the push that asked for it returns
+# before it: a thread that starts at once can hold the GIL from the returning push for a
+# switch interval (5 ms).
+START_DELAY_S = 0.02
 
 
 @dataclass
@@ -118,6 +123,7 @@ class ReadyLeases:
     # -- on the pool's thread ------------------------------------------------------------
     def _ready(self, server: Server, name: str, nbytes: int) -> ReadyLease | None:
         """None where no lease could be readied: the next push takes the usual path."""
+        time.sleep(START_DELAY_S)
         try:
             granted = self._post(server, LEASE_ROUTE, {"nbytes": nbytes,
                                                        "client": self.client_id})
