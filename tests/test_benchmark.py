@@ -43,7 +43,8 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
     for engine in ("vllm", "sglang"):
         spread = rows[(engine, "shm")]["speedup_per_round"]
         assert spread["rounds"] == 2 and spread["min"] <= spread["median"] <= spread["max"]
-    assert set(saved["quiet"]) == {"loadavg_before", "loadavg_after", "other_servers", "quiet"}
+    assert set(saved["quiet"]) == {"loadavg_before", "loadavg_after", "other_servers",
+                                   "other_processes_cores", "steal_cores", "quiet"}
     assert saved["memory"] == []  # the soak runs on servers the benchmark starts itself
     with LoRASyncClient(vllm.url, engine="vllm", api_key=vllm.api_key) as client:
         memory = soak(client, vllm, model_dir, 8, 20, "float32")

@@ -1,5 +1,6 @@
 """Unit tests of the engine-agnostic core (no server)."""
 import json
+import os
 
 import pytest
 import torch
@@ -311,6 +312,23 @@ def test_a_renewed_lease_lives_a_ttl_from_its_renewal():
         finally:
             table.close()
     asyncio.run(run())
+
+
+def test_the_benchmark_counts_other_processes_cpu_not_its_own():
+    """Quiet means the rest of the machine was idle: the benchmark's own process and its
+    descendants (servers, peers) do not count; kernel threads and strangers do."""
+    from benchmarks.sync_bench import cpu_snapshot, others_cpu_s, quiet_report
+
+    def snap(procs, at, load=0.1, steal=0.0):
+        return {"procs": procs, "at": at, "loadavg": (load, load, load), "steal_s": steal}
+    start = snap({10: (1, 5.0), 11: (10, 1.0), 20: (1, 2.0), 2: (0, 0.5)}, 0.0)
+    end = snap({10: (1, 9.0), 11: (10, 30.0), 12: (11, 7.0), 13: (12, 1.0), 20: (1, 2.5),
+                2: (0, 0.75), 30: (1, 0.25)}, 10.0, steal=0.2)
+    assert others_cpu_s(start, end, me=10) == (2.5 - 2.0) + (0.75 - 0.5) + 0.25
+    report = quiet_report(start, end, [])
+    assert set(report) >= {"other_processes_cores", "steal_cores", "quiet"}
+    live = cpu_snapshot()
+    assert os.getpid() in live["procs"] and live["steal_s"] >= 0
 
 
 def test_benchmark_ratios_are_taken_per_round_against_that_rounds_disk_sync():
