@@ -330,8 +330,9 @@ def other_servers(own_pids: set[int]) -> list[str]:
 
 
 def cpu_snapshot() -> dict:
-    """What the machine's CPU time went to so far: each process's (parent, CPU seconds, its
-    reaped children's included), and the time the host took from this VM (`steal`)."""
+    """What the machine's CPU time went to so far: each process's (parent, CPU seconds of
+    its own: a reaped child's time would land on whoever reaps it, init for orphans), and
+    the time the host took from this VM (`steal`)."""
     tick = os.sysconf("SC_CLK_TCK")
     procs = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -340,7 +341,7 @@ def cpu_snapshot() -> dict:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        procs[int(pid)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tick)
+        procs[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
     with open("/proc/stat") as f:
         steal = int(f.readline().split()[8]) / tick
     return {"procs": procs, "steal_s": steal, "at": time.monotonic(),
