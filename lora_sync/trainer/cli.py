@@ -170,7 +170,7 @@ def cmd_resync(client: LoRASyncClient, args, failed: dict) -> list[str]:
             lines.append(f"{server.url}  has {served if newest else 'no version'}")
         else:
             with LoRASyncClient([server], api_key=args.api_key_value,
-                                timeout=client.timeout) as one:
+                                timeout=client.timeout, lease_ahead=False) as one:
                 [r] = one.push(args.adapter, args.name, newest, on_error="skip")
             if r.ok:
                 lines.append(f"{server.url}  pushed {served}")
@@ -218,8 +218,9 @@ def main(argv=None) -> int:
             args.adapter = read_adapter(args.dir)  # bad input: nothing is sent anywhere
         servers = find_servers(args, failed)
         if servers:
+            # One command, then exit: no lease to ready for a next push.
             with LoRASyncClient(servers, api_key=args.api_key_value,
-                                timeout=args.timeout) as client:
+                                timeout=args.timeout, lease_ahead=False) as client:
                 lines = COMMANDS[args.command](client, args, failed)
         lines += [failure_line(u, e) for u, e in failed.items()
                   if u not in {s.url for s in servers}]  # engine detection failed
