@@ -13,7 +13,7 @@ are copied, and they stay while the client keeps them, whatever the server does)
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -89,8 +89,8 @@ class FleetMemory:
         the name's spare."""
         with self._lock:
             old = self.newest.get(name)
-            self.newest[name] = Newest(version, kept and kept.adapter, kept and kept.flat,
-                                       kept and kept.sealed, kept and kept.config)
+            self.newest[name] = replace(kept, version=version) if kept is not None \
+                else Newest(version, None)
             if old is not None and old.flat is not None and old.flat is not self.newest[name].flat:
                 self._spare[name] = old.flat
 

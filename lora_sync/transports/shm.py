@@ -270,13 +270,19 @@ def map_lease(lease: Lease) -> tuple[mmap.mmap, int] | None:
     """The lease mapped shared and writable, its page tables filled now, and a read-only
     descriptor of it (None: unreachable). Filling the page tables is most of a write's cost:
     done ahead of a push, the push only copies."""
+    return _with_lease(lease, lambda fd: _map_filled(fd, lease.nbytes))
+
+
+def _with_lease(lease: Lease, use) -> tuple | None:
+    """`use(fd)` on the lease opened writable; (its result, a read-only descriptor of the
+    lease), or None when the lease is not reachable from here."""
     fd = open_lease(lease)
     if fd is None:
         return None
     try:
         read_fd = reopen_read_only(fd)
         try:
-            return _map_filled(fd, lease.nbytes), read_fd
+            return use(fd), read_fd
         except BaseException:
             os.close(read_fd)
             raise
@@ -336,19 +342,8 @@ def write_lease(lease: Lease, chunks: list) -> int | None:
     the tensors (filling a mapping's page tables costs about what the copy does); tensors on
     a GPU are copied device to host into a mapping of the lease."""
     if all(not isinstance(c, torch.Tensor) or c.device.type == "cpu" for c in chunks):
-        fd = open_lease(lease)
-        if fd is None:
-            return None
-        try:
-            read_fd = reopen_read_only(fd)
-            try:
-                _pwrite_all(fd, chunks)
-            except BaseException:
-                os.close(read_fd)
-                raise
-        finally:
-            os.close(fd)
-        return read_fd
+        written = _with_lease(lease, lambda fd: _pwrite_all(fd, chunks))
+        return None if written is None else written[1]
     mapped = map_lease(lease)
     if mapped is None:
         return None
