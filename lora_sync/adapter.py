@@ -39,6 +39,36 @@ def parse_peft_key(key: str) -> tuple[str, str]:
     return m["module"], m["half"]
 
 
+# Projections engines fuse into one layer, in the order they stack their LoRA weights
+# (qkv_proj, gate_up_proj in vLLM and SGLang).
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_SIBLING = {leaf: (group, i) for group, leaves in enumerate(FUSED_SIBLINGS)
+            for i, leaf in enumerate(leaves)}
+
+
+def sibling_order(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with each fused group's lora_A tensors back to back in stacking order,
+    then its lora_B ones (where the group's first tensor was), the rest as they came. An
+    engine that stacks siblings can then view them as one instead of concatenating: the
+    bytes sent are the same, only their order in the file."""
+    order, groups = [], {}
+    for key in tensors:
+        m = _PEFT_KEY.match(key)
+        parent, _, leaf = m["module"].rpartition(".") if m else ("", "", "")
+        sibling = _SIBLING.get(leaf)
+        if sibling is None:
+            order.append(key)
+            continue
+        group = (parent, sibling[0], m["half"])
+        if group not in groups:
+            groups[group] = []
+            order.append(group)
+        groups[group].append((sibling[1], key))
+    keys = [k for item in order
+            for k in ([item] if isinstance(item, str) else [k for _, k in sorted(groups[item])])]
+    return tensors if keys == list(tensors) else {k: tensors[k] for k in keys}
+
+
 def _jsonable(x):
     if isinstance(x, (set, frozenset, tuple)):
         return sorted(x) if isinstance(x, (set, frozenset)) else list(x)
@@ -55,6 +85,7 @@ class LoRAAdapter:
 
     def __post_init__(self):
         self.config = normalize_config(self.config, self.tensors.keys())
+        self.tensors = sibling_order(self.tensors)
 
     @classmethod
     def from_peft_model(cls, model, adapter_name: str = "default") -> "LoRAAdapter":

@@ -194,19 +194,44 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
 
 
 def view_tensors(buf, header: Header, data_only: bool = False) -> dict[str, torch.Tensor]:
-    """Tensors viewing `buf` in place (zero copy). `buf` must be writable (bytearray,
+    """Tensors viewing `buf` in place (zero copy), all in one storage: tensors that lie back
+    to back can then be viewed as one (`join_adjacent`). `buf` must be writable (bytearray,
     mmap) and outlive the tensors. `data_only`: `buf` holds the data area alone."""
     base = 0 if data_only else header.data_start
+    whole = torch.frombuffer(buf, dtype=torch.uint8) if header.total_bytes > header.data_start \
+        else None
     out = {}
     for spec, (begin, end) in zip(header.specs, header.offsets):
         dtype = DTYPES[spec.dtype]
-        count = (end - begin) // dtype.itemsize
-        if count == 0:
+        if begin == end:
             out[spec.name] = torch.empty(spec.shape, dtype=dtype)
-            continue
-        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + begin)
-        out[spec.name] = t.view(spec.shape)
+        elif (base + begin) % dtype.itemsize == 0:
+            out[spec.name] = whole[base + begin:base + end].view(dtype).view(spec.shape)
+        else:  # misaligned after a tensor of another dtype: a storage of its own
+            out[spec.name] = torch.frombuffer(buf, dtype=dtype, count=(end - begin) //
+                                              dtype.itemsize, offset=base + begin
+                                              ).view(spec.shape)
     return out
+
+
+def join_adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """`torch.cat(parts)` without a copy: a view spanning them, when they lie back to back
+    in one storage (same dtype, the same sizes past the first dimension); else None."""
+    first = parts[0]
+    if first.dim() == 0:
+        return None
+    end = first.storage_offset()
+    for t in parts:
+        if t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:] \
+                or not t.is_contiguous() or t.storage_offset() != end \
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        end += t.numel()
+    shape = (sum(t.shape[0] for t in parts), *first.shape[1:])
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return first.as_strided(shape, strides, first.storage_offset())
 
 
 def decode(buf) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict
 import msgspec
 from sglang.srt.managers.io_struct import BaseReq
 
+from lora_sync import wire
 from lora_sync.errors import LoRASyncError
 from lora_sync.messages import WorkerReply
 from lora_sync.server.pins import require_supported
@@ -44,6 +45,8 @@ TOUCHED = (
     "sglang.srt.managers.io_struct:LoRAUpdateOutput.success",
     "sglang.srt.managers.io_struct:LoRAUpdateOutput.error_message",
     "sglang.srt.lora.lora_manager:LoRAManager.unload_lora_adapter(lora_ref)",
+    "sglang.srt.lora.lora:LoRAAdapter.normalize_qkv_proj(weight_names, weights)",
+    "sglang.srt.lora.lora:LoRAAdapter.normalize_gate_up_proj(weight_names, weights)",
     "sglang.srt.lora.lora_manager:LoRAManager.lora_refs",
     "sglang.srt.lora.lora_manager:LoRAManager.configs",
     "sglang.srt.lora.lora_manager:LoRAManager.loras",
@@ -144,6 +147,30 @@ def load_adapter(scheduler, lora_id: str, tensors: dict, config: dict) -> None:
     out = lora_manager(scheduler).load_lora_adapter_from_tensors(ref, tensors, config)
     if not out.success:
         raise ValueError(out.error_message or "SGLang refused the adapter")
+
+
+# SGLang stacks the lora_B of fused siblings into one tensor under the fused name, and takes
+# one already stacked as it is (LoRAAdapter.normalize_qkv_proj / normalize_gate_up_proj).
+STACKED_B = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def stack_in_place(tensors: dict) -> dict:
+    """The tensors with each fused group's lora_B given stacked, as a view, where the parts lie
+    back to back (the client's sibling order): SGLang then uses them as they are instead of
+    concatenating them into new memory. The same values either way; the rest as given."""
+    out = dict(tensors)
+    for key in tensors:
+        for fused, parts in STACKED_B:
+            if f".{parts[0]}.lora_B" not in key:
+                continue
+            names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+            if all(n in out for n in names):
+                joined = wire.join_adjacent([out[n] for n in names])
+                if joined is not None:
+                    for n in names:
+                        del out[n]
+                    out[key.replace(f".{parts[0]}.", f".{fused}.")] = joined
+    return out
 
 
 def unload_adapter(scheduler, lora_id: str) -> None:

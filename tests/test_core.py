@@ -42,6 +42,73 @@ def test_decode_views_buffer_without_copy():
     assert again["x"][0] == 7.0
 
 
+def test_views_share_one_storage_and_siblings_join_without_a_copy():
+    """Tensors viewed from one body share its storage, so parts that lie back to back are
+    one view (what an engine that stacks them would otherwise concatenate); parts that do not
+    (a gap, another dtype or storage, the wrong order) are refused, never copied."""
+    t = {"q": torch.randn(4, 8), "k": torch.randn(2, 8), "v": torch.randn(2, 8),
+         "h": torch.randn(3).to(torch.bfloat16), "o": torch.randn(2, 8)}
+    _, views = wire.decode(bytearray(wire.encode_bytes(t, {})))
+    # one storage; "o" follows 6 bytes of bfloat16, misaligned for float32: its own
+    assert len({views[k].untyped_storage().data_ptr() for k in "qkvh"}) == 1
+    joined = wire.join_adjacent([views["q"], views["k"], views["v"]])
+    assert torch.equal(joined, torch.cat([t["q"], t["k"], t["v"]]))
+    assert joined.data_ptr() == views["q"].data_ptr()  # a view, not a copy
+    joined[4, 0] = 9.0  # the same memory as k's
+    assert views["k"][0, 0] == 9.0
+    for parts in (["q", "v"], ["k", "q"], ["v", "h", "o"], ["v", "o"]):
+        assert wire.join_adjacent([views[p] for p in parts]) is None, parts
+    assert wire.join_adjacent([views["q"], t["k"]]) is None  # another storage
+
+
+def test_misaligned_tensors_still_view_the_body():
+    t = {"odd": torch.randn(3).to(torch.bfloat16), "f": torch.randn(2, 2)}
+    buf = bytearray(wire.encode_bytes(t, {}))
+    _, views = wire.decode(buf)
+    assert torch.equal(views["f"], t["f"]) and torch.equal(views["odd"], t["odd"])
+    views["f"][0, 0] = 5.0
+    assert wire.decode(buf)[1]["f"][0, 0] == 5.0
+
+
+def test_fused_siblings_travel_back_to_back_in_stacking_order():
+    """q/k/v and gate/up: each half's tensors together, in the order engines stack them,
+    whatever order the trainer's state dict had; nothing else moves, nothing is lost."""
+    leaves = ["mlp.up_proj", "self_attn.v_proj", "mlp.down_proj", "self_attn.q_proj",
+              "self_attn.o_proj", "self_attn.k_proj", "mlp.gate_proj"]
+    keys = [f"base_model.model.model.layers.{i}.{m}.lora_{h}.weight"
+            for i in (1, 0) for m in leaves for h in "AB"]
+    tensors = {k: torch.zeros(1) for k in keys}
+    ordered = list(LoRAAdapter(tensors, {"r": 1}).tensors)
+    assert sorted(ordered) == sorted(keys)
+    for layer in (0, 1):
+        for leaves_group in (("q", "k", "v"), ("gate", "up")):
+            for h in "AB":
+                names = [f"base_model.model.model.layers.{layer}."
+                         f"{'self_attn' if 'q' in leaves_group else 'mlp'}.{x}_proj.lora_{h}.weight"
+                         for x in leaves_group]
+                at = ordered.index(names[0])
+                assert ordered[at:at + len(names)] == names
+    rest = [k for k in keys if "o_proj" in k or "down_proj" in k]
+    assert [k for k in ordered if k in rest] == rest
+    assert list(LoRAAdapter(dict.fromkeys(ordered, torch.zeros(1)), {"r": 1}).tensors) \
+        == ordered  # already in order: kept as it is
+
+
+def test_sglang_takes_stacked_lora_b_as_views_bit_for_bit():
+    """SGLang's own LoRAAdapter (its code, in its environment): lora_B stacked as views of
+    the lease gives what its own concatenation gives (tests/sglang_stacking_check.py)."""
+    import subprocess
+    from tests.conftest import SGLANG_PYTHON, SGLANG_TEST_PATH
+    if not SGLANG_PYTHON.exists():
+        if os.environ.get("CI"):
+            pytest.fail("no .venv-sglang in CI")
+        pytest.skip("no .venv-sglang: run scripts/install.sh")
+    script = os.path.join(os.path.dirname(__file__), "sglang_stacking_check.py")
+    run = subprocess.run([str(SGLANG_PYTHON), script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": SGLANG_TEST_PATH})
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("mutate,code", [
     (lambda b: b[:5], "bad_safetensors"),                       # shorter than the length
     (lambda b: b[:-3], "bad_safetensors"),                      # truncated data

@@ -11,9 +11,10 @@ from .receiver import StoredAdapter
 
 
 class SGLangWorkerEngine(WorkerEngine):
-    # SGLang only reads the tensors it is given: it concatenates q/k/v and gate/up into new
-    # tensors, copies the rest into its memory pool and applies the scaling there, out of
-    # place (sglang/srt/lora/lora.py, mem_pool.py in 0.5.23).
+    # SGLang only reads the tensors it is given: it concatenates q/k/v and gate/up lora_A into
+    # new tensors (lora_B comes stacked, a view: engine_api.stack_in_place), copies the rest
+    # into its memory pool and applies the scaling there, out of place
+    # (sglang/srt/lora/lora.py, mem_pool.py in 0.5.23).
     maps_read_only = True
 
     def __init__(self, scheduler):
@@ -28,7 +29,8 @@ class SGLangWorkerEngine(WorkerEngine):
 
     def register(self, adapter_id: int, stored: StoredAdapter, lora_id: str) -> None:
         self.lora_ids[adapter_id] = lora_id  # before the load: a half-made one is unloaded
-        engine_api.load_adapter(self.scheduler, lora_id, stored.tensors, stored.config)
+        engine_api.load_adapter(self.scheduler, lora_id, engine_api.stack_in_place(stored.tensors),
+                                stored.config)
 
     def unload(self, adapter_id: int) -> None:
         lora_id = self.lora_ids.pop(adapter_id, None)
