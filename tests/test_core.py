@@ -94,6 +94,24 @@ def test_fused_siblings_travel_back_to_back_in_stacking_order():
         == ordered  # already in order: kept as it is
 
 
+def test_a_large_copy_into_a_lease_is_split_across_two_threads_exactly():
+    """Above 8 MiB the copy into a mapped lease runs in two halves at once: the file is
+    byte for byte what was encoded, whatever the split."""
+    import mmap
+    from lora_sync.transports import shm
+    tensors = {f"t{i}": torch.randn(n) for i, n in enumerate([1, 700_000, 3, 1_500_000, 5])}
+    chunks = wire.layout(tensors, {"k": "v"})
+    nbytes = shm.total_bytes(chunks)
+    assert nbytes > shm._SPLIT_BYTES
+    fd = os.memfd_create("lora-sync-test")
+    try:
+        os.ftruncate(fd, nbytes)
+        shm.write_mapped(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), chunks)
+        assert os.pread(fd, nbytes, 0) == wire.encode_bytes(tensors, {"k": "v"})
+    finally:
+        os.close(fd)
+
+
 def test_sglang_takes_stacked_lora_b_as_views_bit_for_bit():
     """SGLang's own LoRAAdapter (its code, in its environment): lora_B stacked as views of
     the lease gives what its own concatenation gives (tests/sglang_stacking_check.py)."""

@@ -23,6 +23,7 @@ import secrets
 import stat
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -48,6 +49,7 @@ _LEASE_PATH = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,10}")
 MEMFD_NAME = "lora-sync-lease"
 _IOV_MAX = 512  # buffers per pwritev (the kernel allows 1024)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14 (Python's mmap module does not name it)
+_SPLIT_BYTES = 8 << 20  # smaller copies are not worth a second thread
 # After these, nobody can write, resize, map writable or unseal the memfd.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -310,29 +312,59 @@ def write_mapped(mapping: mmap.mmap, chunks: list) -> None:
     """Copies the safetensors file (`chunks`) into a mapped lease, then unmaps it: the
     server cannot seal a lease that is still mapped writable.
 
-    Host tensors go in with one plain memcpy each (ctypes.memmove, which lets go of the
-    GIL), not torch's copy: on a thread other than the trainer's, torch starts a second
-    OpenMP team whose threads then spin against the trainer's own (on 2 cores a 70 MB copy
-    took 13-20 ms that way, 8-9 ms as a memcpy)."""
+    Host tensors go in with plain memcpy (ctypes.memmove, which lets go of the GIL), not
+    torch's copy: on a thread other than the trainer's, torch starts a second OpenMP team
+    whose threads then spin against the trainer's own (on 2 cores a 70 MB copy took 13-20 ms
+    that way, 8-9 ms as a memcpy)."""
     try:
         anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address, while it lives
         base = ctypes.addressof(anchor)
         try:
-            offset = 0
+            offset, copies, sources = 0, [], []
             for chunk in chunks:
                 if isinstance(chunk, torch.Tensor) and chunk.device.type == "cpu":
                     src = chunk.detach().contiguous()
                     n = src.numel() * src.element_size()
                     if offset + n > len(mapping):
                         raise ValueError("the chunks do not fit the lease")
-                    ctypes.memmove(base + offset, src.data_ptr(), n)
+                    sources.append(src)  # alive until copied
+                    copies.append((base + offset, src.data_ptr(), n))
                     offset += n
                 else:
                     offset = _copy_into(mapping, offset, chunk)
+            _memmove_all(copies)
         finally:
             del anchor
     finally:
         mapping.close()
+
+
+_COPY_HELPER = ThreadPoolExecutor(1, thread_name_prefix="lora-sync-copy")  # starts on use
+
+
+def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
+    """Every (destination, source, bytes) copy, in two halves at once: a thread of the
+    client's copies the first while this one copies the rest. The trainer waits for the push
+    meanwhile, so both cores are free (70 MB, copy and unmap: 13.6 ms on one thread, 11.6 on
+    two, on this 2-core VM)."""
+    total = sum(n for _, _, n in copies)
+    cut, done = 0, 0
+    while cut < len(copies) and done < total // 2:
+        done += copies[cut][2]
+        cut += 1
+    if total < _SPLIT_BYTES or not 0 < cut < len(copies):
+        _memmove(copies)
+        return
+    first = _COPY_HELPER.submit(_memmove, copies[:cut])
+    try:
+        _memmove(copies[cut:])
+    finally:
+        first.result()
+
+
+def _memmove(copies) -> None:
+    for dst, src, n in copies:
+        ctypes.memmove(dst, src, n)
 
 
 def write_lease(lease: Lease, chunks: list) -> int | None:
