@@ -485,6 +485,32 @@ def test_fleet_memory_keeps_what_was_pushed_in_reused_buffers(make_adapter):
     assert memory.newest_copies(lambda name, version: version > 3) == []
 
 
+def test_pushes_alternating_a_copy_and_shm_reuse_two_buffers(make_adapter):
+    """Snapshot transports mixed with shm (whose newest is the sealed lease, no copy) cycle
+    through two buffers: no snapshot takes fresh memory after the second, and no push frees
+    one (4-10 ms of an shm push at rank 64 when it did)."""
+    import weakref
+    from lora_sync.trainer.fleet import FleetMemory, Newest
+    memory, adapter = FleetMemory(), make_adapter(seed=22)
+    buffers, freed, version = {}, [], 0
+    for _ in range(6):  # the benchmark's rounds: tensors, shm, broadcast
+        for transport in ("tensors", "shm", "broadcast"):
+            version += 1
+            if transport == "shm":
+                memory.pushed("p", version, Newest(0, None, sealed=object(), config={}))
+                continue
+            kept = memory.snapshot("p", adapter)
+            if kept.flat.data_ptr() not in buffers:
+                buffers[kept.flat.data_ptr()] = kept.flat
+                weakref.finalize(kept.flat, freed.append, version)
+            memory.pushed("p", version, kept)
+            del kept
+    assert len(buffers) == 2 and freed == []
+    memory.forget("p")
+    del buffers
+    assert len(freed) == 2  # forgetting the name lets them go
+
+
 def test_a_sealed_lease_is_mapped_or_read_the_same(make_adapter):
     """shm's worker side: a sealed lease mapped read-only (engines that never write what
     they are given) and read into a reused buffer (the others) give the same tensors; an

@@ -52,9 +52,12 @@ class FleetMemory:
     newest: dict[str, Newest] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)  # server url -> instance id
     stale: set[str] = field(default_factory=set)             # servers to resync first
-    # A name's copy before its newest, reused by its next snapshot: writing memory already
-    # touched costs a fraction of fresh pages. Nobody else reads it (see `newest_copies`).
-    _spare: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A name's copies before its newest, reused by its next snapshots: writing memory already
+    # touched costs a fraction of fresh pages. Nobody else reads them (see `newest_copies`).
+    # Two at most: the pair a snapshot transport alternates between. After an shm push (no
+    # copy: the newest is the sealed lease) both are spares; dropping one there, to take a
+    # fresh one at the next snapshot, cost 4-10 ms of that push (rank 64, 2 cores).
+    _spares: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next_version(self, name: str, held_by_servers) -> int:
@@ -73,8 +76,13 @@ class FleetMemory:
             return None
         sizes = [-(-t.numel() * t.element_size() // 8) * 8 for t in adapter.tensors.values()]
         with self._lock:
-            flat = self._spare.pop(name, None)
-        if flat is None or flat.numel() != sum(sizes):
+            spares = self._spares.get(name, [])
+            flat = next((f for f in spares if f.numel() == sum(sizes)), None)
+            if flat is not None:
+                spares.remove(flat)
+            elif spares:  # another size: the adapter changed shape
+                spares.pop(0)
+        if flat is None:
             flat = torch.empty(sum(sizes), dtype=torch.uint8)
         offset, kept = 0, {}
         for (key, t), size in zip(adapter.tensors.items(), sizes):
@@ -86,13 +94,13 @@ class FleetMemory:
 
     def pushed(self, name: str, version: int, kept: Newest | None) -> None:
         """`kept`: the push's `snapshot` (or its sealed lease). The copy it replaces becomes
-        the name's spare."""
+        one of the name's spares."""
         with self._lock:
             old = self.newest.get(name)
             self.newest[name] = replace(kept, version=version) if kept is not None \
                 else Newest(version, None)
             if old is not None and old.flat is not None and old.flat is not self.newest[name].flat:
-                self._spare[name] = old.flat
+                self._keep_spare(name, old.flat)
 
     def unused(self, name: str, kept: Newest | None) -> None:
         """A snapshot no server took: its buffer is the name's spare again (unless an
@@ -101,12 +109,17 @@ class FleetMemory:
             newest = self.newest.get(name)
             if kept is not None and kept.flat is not None and \
                     (newest is None or newest.flat is not kept.flat):
-                self._spare.setdefault(name, kept.flat)
+                self._keep_spare(name, kept.flat)
+
+    def _keep_spare(self, name: str, flat: torch.Tensor) -> None:
+        spares = self._spares.setdefault(name, [])
+        if all(f is not flat for f in spares):
+            spares[:] = [flat] + spares[:1]
 
     def forget(self, name: str) -> None:
         with self._lock:
             self.newest.pop(name, None)
-            self._spare.pop(name, None)
+            self._spares.pop(name, None)
 
     def newest_copies(self, wanted) -> list[tuple[str, Newest]]:
         """(name, Newest) of each remembered adapter `wanted(name, version)` says to send,
