@@ -12,6 +12,7 @@ import msgspec
 from sglang.srt.managers.io_struct import BaseReq
 
 from lora_sync import wire
+from lora_sync.adapter import FUSED_SIBLINGS
 from lora_sync.errors import LoRASyncError
 from lora_sync.messages import WorkerReply
 from lora_sync.server.pins import require_supported
@@ -151,7 +152,7 @@ def load_adapter(scheduler, lora_id: str, tensors: dict, config: dict) -> None:
 
 # SGLang stacks the lora_B of fused siblings into one tensor under the fused name, and takes
 # one already stacked as it is (LoRAAdapter.normalize_qkv_proj / normalize_gate_up_proj).
-STACKED_B = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+STACKED_B = tuple(zip(("qkv_proj", "gate_up_proj"), FUSED_SIBLINGS))
 
 
 def stack_in_place(tensors: dict) -> dict:

@@ -75,15 +75,16 @@ class FleetMemory:
         if not self.remember:
             return None
         sizes = [-(-t.numel() * t.element_size() // 8) * 8 for t in adapter.tensors.values()]
+        total = sum(sizes)
         with self._lock:
             spares = self._spares.get(name, [])
-            flat = next((f for f in spares if f.numel() == sum(sizes)), None)
+            flat = next((f for f in spares if f.numel() == total), None)
             if flat is not None:
                 spares.remove(flat)
             elif spares:  # another size: the adapter changed shape
                 spares.pop(0)
         if flat is None:
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            flat = torch.empty(total, dtype=torch.uint8)
         offset, kept = 0, {}
         for (key, t), size in zip(adapter.tensors.items(), sizes):
             n = t.numel() * t.element_size()
