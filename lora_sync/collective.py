@@ -207,16 +207,28 @@ def _bytes_tensor(raw: bytes, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
+def unpack_frames(transfer: Transfer, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every tensor of a transfer, as views into the one buffer its frames were packed in."""
+    out, pos = {}, 0
+    for b in transfer.buckets:
+        out.update(unpack_bucket(b, payload(b, buf[pos:pos + b.frame_bytes])))
+        pos += b.frame_bytes
+    return out
+
+
 def send_transfer(group: Group, transfer: Transfer, tensors: dict, kept: dict,
-                  device="cpu", src: int = 0) -> None:
+                  device="cpu", src: int = 0, packed=None) -> None:
     """The sender's side: the header, then each bucket packed into its kept frame and
-    queued at once, so packing the next bucket overlaps sending this one."""
+    queued at once, so packing the next bucket overlaps sending this one. `packed()`, if
+    given, runs once every bucket is packed, while they may still be on the wire."""
     works = [group.start_broadcast(_bytes_tensor(transfer.header(), device), src)]
     for i, (b, frame) in enumerate(zip(transfer.buckets,
                                        frame_buffers(transfer, kept, device))):
         pack_bucket(b, tensors, payload(b, frame))
         frame[b.trailer_at:].copy_(_bytes_tensor(transfer.trailer(i), device))
         works.append(group.start_broadcast(frame, src))
+    if packed is not None:
+        packed()
     for w in works:
         w.wait()
 

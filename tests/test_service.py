@@ -28,6 +28,7 @@ import torch
 
 from lora_sync import (BadAdapter, LoRAAdapter, LoRASyncClient, LoRASyncError, NotFound,
                        Unauthorized, VersionConflict, check_adapter, http, wire)
+from lora_sync.trainer.fleet import FleetMemory
 from lora_sync.transports import shm
 
 from .conftest import SERVER_ENV
@@ -1257,6 +1258,38 @@ def test_bad_metadata_refused_before_any_collective(fake_client, make_adapter):
         c.broadcast(make_adapter(seed=82, rank=128), "meta")  # the server's max rank is 64
     c.broadcast(make_adapter(seed=83), "meta")  # still in step
     assert greedy(c, "meta-v1") == before != greedy(c, "meta")
+
+
+def test_what_a_broadcast_keeps_for_a_resync_is_its_packed_frames(make_fake_server,
+                                                                   make_adapter, monkeypatch):
+    """On CPU the frames a broadcast packs are the client's resync copy: no second copy
+    (FleetMemory.snapshot never runs); each push packs into a buffer that is not the newest,
+    so a copy already kept never changes; and a resync gives back the bytes as pushed."""
+    monkeypatch.setattr(FleetMemory, "snapshot", lambda *a: pytest.fail("copied twice"))
+    a, b = make_adapter(seed=881), make_adapter(seed=882)
+    pushed = {k: t.clone() for k, t in a.tensors.items()}
+    server = make_fake_server()
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        c.init_group(bucket_bytes=64 * 1024, timeout_s=20)  # several buckets per push
+        c.broadcast(a, "packed")
+        first = c.memory.newest["packed"]
+        for t in a.tensors.values():
+            t.add_(1.0)  # the optimizer step after the push
+        c.broadcast(b, "packed")
+        second = c.memory.newest["packed"]
+        assert second.flat.data_ptr() != first.flat.data_ptr()
+        assert all(torch.equal(first.adapter.tensors[k], pushed[k]) for k in pushed)
+        assert all(torch.equal(second.adapter.tensors[k], b.tensors[k]) for k in b.tensors)
+        c.broadcast(a, "packed")  # the first push's buffer, a spare now, is packed again
+        assert c.memory.newest["packed"].flat.data_ptr() == first.flat.data_ptr()
+        server.stop()
+        [(_, lent)] = c.memory.newest_copies(lambda name, version: True)
+        assert all(torch.equal(lent.adapter.tensors[k], a.tensors[k]) for k in a.tensors)
+    monkeypatch.undo()  # a tensors push copies alongside
+    other = make_fake_server()
+    with LoRASyncClient(other.url, api_key=other.api_key) as c:
+        c.push(lent.adapter, "packed", version=3, transport="tensors")
+        assert greedy(c, "packed") == served_text(a)
 
 
 def test_ten_versions_in_one_group_follow_the_weights(fake_client, make_adapter):

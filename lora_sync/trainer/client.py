@@ -13,7 +13,7 @@ from ..collective import free_port
 from ..errors import LoRASyncError, PushFailed, TooBusy
 from .fleet import FleetMemory, Newest
 from ..transports import TRANSPORTS, broadcast
-from ..transports.base import PushResult, SendContext, Server, Transport
+from ..transports.base import PackedCopy, PushResult, SendContext, Server, Transport
 from ..transports.ready_lease import ReadyLeases
 from ..transports.shm import LeaseRefused
 
@@ -131,16 +131,20 @@ class LoRASyncClient:
         if chosen:
             version = self.memory.next_version(
                 name, lambda n: self.newest_versions(n, deadline=deadline))
-        # What the client keeps of the push, for a resync: the sealed lease itself where shm
-        # carries it (no copy), else a copy made while the servers work on the push.
-        viewed = self.memory.remember and (transport == "shm" or transport == "auto" and all(
-            self._same_host.get(s.url, True) for s in self.servers))
+        # What the client keeps of the push, for a resync: what the push itself left where
+        # it leaves one (shm: the sealed lease; broadcast on CPU: the packed frames), else a
+        # copy made while the servers work on the push.
+        viewed = self.memory.remember and (
+            TRANSPORTS[transport].keeps_copy(self._group) if transport != "auto" else
+            all(self._same_host.get(s.url, True) for s in self.servers))
         copied = []
 
         def kept_of(results) -> Newest | None:
-            sealed = next((r.kept for r in results if r.ok and r.kept is not None), None)
-            if sealed is not None:
-                return Newest(0, None, sealed=sealed, config=dict(adapter.config))
+            kept = next((r.kept for r in results if r.ok and r.kept is not None), None)
+            if isinstance(kept, PackedCopy):
+                return Newest(0, LoRAAdapter(kept.tensors, dict(adapter.config)), kept.flat)
+            if kept is not None:
+                return Newest(0, None, sealed=kept, config=dict(adapter.config))
             if not copied:  # shm fell back to HTTP: copy now, before the call returns
                 copied.append(self.memory.snapshot(name, adapter))
             return copied[0]
@@ -173,7 +177,8 @@ class LoRASyncClient:
         each server at once (a stale server first gets what it lost), the transport
         finishes it."""
         ctx = SendContext(name, version, checksum, self.headers, self.timeout, self.client_id,
-                          self._group, self.ready_leases, keep)
+                          self._group, self.ready_leases, keep,
+                          self.memory.spare(name) if keep else None)
         sender = TRANSPORTS.get(transport)  # None: "auto", chosen per server
         outgoing = sender.prepare(adapter, ctx) if sender else None
         needs = sender.send_timeout(ctx) if sender else None
@@ -187,8 +192,10 @@ class LoRASyncClient:
                 return self._push_auto(server, adapter, ctx)
             return self._push_with(sender, outgoing, server, ctx)
         results = self._each_server(push_one, version, deadline, alongside)
-        if sender is not None:
-            sender.finish(outgoing, results)
+        packed = sender.finish(outgoing, results) if sender is not None else None
+        for r in results:
+            if r.ok and packed is not None:
+                r.kept = packed
         return results
 
     def _push_auto(self, server: Server, adapter, ctx: SendContext) -> PushResult:

@@ -9,7 +9,8 @@ or a restarted trainer picks up where it was.
 A copy, not a reference: PEFT's state dict shares memory with the live parameters, so a
 reference would re-push weights newer than the version number it carries. After an shm push
 the copy is the sealed lease itself, mapped read-only (its pages are the server's: no bytes
-are copied, and they stay while the client keeps them, whatever the server does)."""
+are copied, and they stay while the client keeps them, whatever the server does); after a
+broadcast on CPU, the frames it packed (into one of the name's spare buffers)."""
 from __future__ import annotations
 
 import threading
@@ -78,7 +79,7 @@ class FleetMemory:
         total = sum(sizes)
         with self._lock:
             spares = self._spares.get(name, [])
-            flat = next((f for f in spares if f.numel() == total), None)
+            flat = next((f for f in spares if _fits(f, total)), None)
             if flat is not None:
                 spares.remove(flat)
             elif spares:  # another size: the adapter changed shape
@@ -93,14 +94,25 @@ class FleetMemory:
             offset += size  # 8-byte aligned: every dtype's view is legal
         return Newest(0, LoRAAdapter(kept, dict(adapter.config)), flat)
 
+    def spare(self, name: str) -> torch.Tensor | None:
+        """A spare buffer of `name` for a transport to pack the push into (broadcast): it
+        stays a spare unless the push becomes the newest (`pushed`)."""
+        if not self.remember:
+            return None
+        with self._lock:
+            return next(iter(self._spares.get(name, [])), None)
+
     def pushed(self, name: str, version: int, kept: Newest | None) -> None:
-        """`kept`: the push's `snapshot` (or its sealed lease). The copy it replaces becomes
-        one of the name's spares."""
+        """`kept`: the push's `snapshot` (or its sealed lease, or the transport's packed
+        copy). The copy it replaces becomes one of the name's spares."""
         with self._lock:
             old = self.newest.get(name)
             self.newest[name] = replace(kept, version=version) if kept is not None \
                 else Newest(version, None)
-            if old is not None and old.flat is not None and old.flat is not self.newest[name].flat:
+            flat = self.newest[name].flat
+            if flat is not None and name in self._spares:  # packed into a spare
+                self._spares[name] = [f for f in self._spares[name] if f is not flat]
+            if old is not None and old.flat is not None and old.flat is not flat:
                 self._keep_spare(name, old.flat)
 
     def unused(self, name: str, kept: Newest | None) -> None:
@@ -141,3 +153,9 @@ class FleetMemory:
             self.stale.add(server_url)
             return True
         return False
+
+
+def _fits(flat: torch.Tensor, nbytes: int) -> bool:
+    """A spare serves a copy of `nbytes` if it is that size or a little more (a broadcast's
+    frames add a few bytes per bucket), not a much larger buffer held for a small adapter."""
+    return nbytes <= flat.numel() <= nbytes + (1 << 20)

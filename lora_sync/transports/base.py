@@ -54,7 +54,9 @@ class SendContext:
     client_id: str
     group: Any = None             # the client's update group (broadcast), if it made one
     ready: Any = None             # the client's leases readied ahead (shm: ReadyLeases)
-    keep: bool = False            # return the tensors as pushed where that is free (shm)
+    keep: bool = False            # return the tensors as pushed where that is free (shm,
+                                  # broadcast on CPU)
+    spare: Any = None             # with `keep`: a buffer of the client's to pack into
 
 
 @dataclass
@@ -68,7 +70,8 @@ class PushResult:
     reply: dict = field(default_factory=dict)
     instance_id: str = ""         # the server instance that took it
     error: Exception | None = None  # a LoRASyncError when this server failed
-    # With SendContext.keep, shm: the file as pushed, the sealed lease mapped read-only.
+    # With SendContext.keep: shm, the file as pushed, the sealed lease mapped read-only;
+    # broadcast, its PackedCopy.
     kept: Any = field(default=None, repr=False)
 
     @property
@@ -102,6 +105,14 @@ class PushResult:
     def failed(cls, server_url: str, version: int, error: Exception,
                seconds: float) -> "PushResult":
         return cls(server_url, None, version, 0, seconds, error=error)
+
+
+@dataclass(frozen=True)
+class PackedCopy:
+    """The adapter as a transport packed it anyway, in host memory (broadcast's frames):
+    the client keeps it as the pushed copy instead of making a second one."""
+    tensors: dict                 # name -> a view into `flat`
+    flat: Any                     # the one buffer (a torch.uint8 tensor) they view
 
 
 # -- server side (API process) ----------------------------------------------------------
@@ -198,6 +209,12 @@ class Transport(ABC):
         """Path (without the engine's prefix) -> Route."""
 
     # trainer side
+    def keeps_copy(self, group) -> bool:
+        """Whether a push with `SendContext.keep` leaves the client the tensors as pushed
+        (`PushResult.kept`), so it need not copy them itself. `group`: the client's update
+        group, if any."""
+        return False
+
     def prepare(self, adapter, ctx: SendContext):
         """Once per push, before any server: what `send` sends (default: the adapter)."""
         return adapter
@@ -206,8 +223,10 @@ class Transport(ABC):
     def send(self, outgoing, server: Server, ctx: SendContext) -> "PushResult | None":
         """Pushes to one server; None when this transport cannot reach it from here."""
 
-    def finish(self, outgoing, results: list) -> None:
-        """Once per push, after every server answered (or failed)."""
+    def finish(self, outgoing, results: list) -> "PackedCopy | None":
+        """Once per push, after every server answered (or failed); returns the push's own
+        copy of the tensors where it made one for the client (`SendContext.keep`)."""
+        return None
 
     def send_timeout(self, ctx: SendContext) -> float | None:
         """Seconds one push may take, when the client's own timeout is not the bound."""

@@ -33,8 +33,8 @@ from ..errors import (BadAdapter, Forbidden, LoRASyncError, PayloadTooLarge, Too
                       TransferFailed)
 from ..fields import field as json_field
 from ..wire import MAX_TENSORS, TensorSpec
-from .base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
-    Transport
+from .base import PackedCopy, PushResult, Received, Route, SendContext, Server, \
+    ServerContext, Staged, Transport
 
 INIT_ROUTE = "init_lora_update_group"
 LOAD_ROUTE = "load_lora_adapter_from_distributed"
@@ -120,7 +120,9 @@ class Outgoing:
     group: TrainerGroup
     body: dict
     sent: threading.Event = field(default_factory=threading.Event)
+    packed: threading.Event = field(default_factory=threading.Event)
     errors: list = field(default_factory=list)
+    copy: PackedCopy | None = None  # with SendContext.keep: the frames, for the client
 
 
 # -- typed messages ---------------------------------------------------------------------
@@ -302,16 +304,35 @@ class BroadcastTransport(Transport):
             "bucket_bytes": group.bucket_bytes, "transfer_id": transfer.transfer_id,
             "checksum": adapter.checksum() if ctx.checksum else None})
 
+        # Packing copies the tensors anyway: where the client keeps what it pushed, it packs
+        # into the client's buffer and the frames are that copy (one copy, not two).
+        keep = ctx.keep and self.keeps_copy(group)
+        frames = {"frames": ctx.spare} if keep and ctx.spare is not None else \
+            {} if keep else group.send_buffers
+
         def send():
             try:
-                collective.send_transfer(group.pg, transfer, adapter.tensors,
-                                         group.send_buffers, group.device)
+                collective.send_transfer(group.pg, transfer, adapter.tensors, frames,
+                                         group.device, packed=lambda: self._packed(
+                                             out, transfer, frames, adapter, keep))
             except BaseException as e:
                 out.errors.append(e)
             finally:
+                out.packed.set()
                 out.sent.set()
         threading.Thread(target=send, daemon=True, name="lora-sync-broadcast").start()
         return out
+
+    @staticmethod
+    def _packed(out: Outgoing, transfer, frames: dict, adapter: LoRAAdapter,
+                keep: bool) -> None:
+        if keep:
+            views = collective.unpack_frames(transfer, frames["frames"])
+            out.copy = PackedCopy({k: views[k] for k in adapter.tensors}, frames["frames"])
+        out.packed.set()
+
+    def keeps_copy(self, group) -> bool:
+        return group is not None and group.device == "cpu"  # the client keeps host memory
 
     def send(self, out: Outgoing, server: Server, ctx: SendContext) -> PushResult:
         t0 = time.perf_counter()
@@ -321,16 +342,18 @@ class BroadcastTransport(Transport):
         return PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                      ctx.version)
 
-    def finish(self, out: Outgoing, results: list) -> None:
+    def finish(self, out: Outgoing, results: list) -> PackedCopy | None:
         if any(not r.ok for r in results):
             # A server refused or failed after the broadcast started: its peers' receive may
             # now be out of step, so the group cannot be trusted any more.
             out.group.broken = True
-            return
+            # Packing never waits on the wire: the copy is whole within moments, or absent.
+            return out.copy if out.packed.wait(out.group.timeout_s) else None
         if not out.sent.wait(out.group.timeout_s) or out.errors:
             out.group.broken = True
             raise TransferFailed("broadcast did not complete: "
                                  f"{out.errors[0] if out.errors else 'timeout'}")
+        return out.copy
 
     def send_timeout(self, ctx: SendContext) -> float | None:
         return ctx.group.timeout_s + 60 if ctx.group is not None else None

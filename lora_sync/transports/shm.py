@@ -473,6 +473,9 @@ class ShmTransport(Transport):
                 f"/{RENEW_ROUTE}": Route(ticket, self.renew),
                 self.push_path: Route(ticket)}
 
+    def keeps_copy(self, group) -> bool:
+        return True  # the sealed lease, where the server is reachable (else HTTP, no copy)
+
     # trainer side
     def prepare(self, adapter, ctx: SendContext) -> list:
         return wire.layout(adapter.tensors, adapter.metadata(ctx.name, ctx.version,
