@@ -15,6 +15,7 @@ import itertools
 import json
 import mmap
 import os
+import random
 import socket
 import threading
 import time
@@ -1290,6 +1291,31 @@ def test_what_a_broadcast_keeps_for_a_resync_is_its_packed_frames(make_fake_serv
     with LoRASyncClient(other.url, api_key=other.api_key) as c:
         c.push(lent.adapter, "packed", version=3, transport="tensors")
         assert greedy(c, "packed") == served_text(a)
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1])
+def test_copies_kept_across_mixed_transports_reuse_three_buffers(make_fake_server,
+                                                                 make_adapter, seed):
+    """Any sequence of tensors, shm and broadcast pushes of one name: what the client keeps
+    is always the newest push, as pushed, and no buffer is ever dropped to take another:
+    three at most (the newest and two spares) serve every layout in turn (a buffer dropped
+    and allocated again costs fresh pages, several ms at rank 64 here)."""
+    kinds = ["tensors", "shm", "broadcast"]
+    rng = random.Random(seed)  # None: the benchmark's order, round after round
+    order = kinds * 4 if seed is None else kinds + [rng.choice(kinds) for _ in range(9)]
+    server = make_fake_server()
+    seen: list = []  # every copy buffer the client held, kept alive so none is mistaken
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        c.init_group(bucket_bytes=64 * 1024, timeout_s=20)
+        for i, transport in enumerate(order):
+            adapter = make_adapter(seed=900 + i)
+            c.push(adapter, "mixed", transport=transport)
+            newest = c.memory.newest["mixed"]
+            held = newest.lent().adapter.tensors
+            assert all(torch.equal(held[k], adapter.tensors[k]) for k in adapter.tensors)
+            buffers = [newest.flat, *c.memory._spares.get("mixed", [])]
+            seen += [b for b in buffers if b is not None and all(b is not s for s in seen)]
+            assert len(seen) <= 3, (i, transport, order)
 
 
 def test_ten_versions_in_one_group_follow_the_weights(fake_client, make_adapter):

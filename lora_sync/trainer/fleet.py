@@ -85,7 +85,7 @@ class FleetMemory:
             elif spares:  # another size: the adapter changed shape
                 spares.pop(0)
         if flat is None:
-            flat = torch.empty(total, dtype=torch.uint8)
+            flat = torch.empty(copy_capacity(total), dtype=torch.uint8)
         offset, kept = 0, {}
         for (key, t), size in zip(adapter.tensors.items(), sizes):
             n = t.numel() * t.element_size()
@@ -155,7 +155,14 @@ class FleetMemory:
         return False
 
 
+def copy_capacity(nbytes: int) -> int:
+    """The size of a copy buffer for an adapter of `nbytes`: room for it however a transport
+    lays it out, so one buffer serves every transport of a name in turn (a broadcast's frames
+    add under 128 bytes per bucket, and buckets of 4 KiB or more hold it in 1/32 more)."""
+    return nbytes + nbytes // 32 + 4096
+
+
 def _fits(flat: torch.Tensor, nbytes: int) -> bool:
-    """A spare serves a copy of `nbytes` if it is that size or a little more (a broadcast's
-    frames add a few bytes per bucket), not a much larger buffer held for a small adapter."""
-    return nbytes <= flat.numel() <= nbytes + (1 << 20)
+    """A spare serves a copy of `nbytes` if it has room, but not if it is much larger (held
+    for an adapter of another shape)."""
+    return nbytes <= flat.numel() <= copy_capacity(nbytes) + (1 << 20)
