@@ -13,6 +13,7 @@ from lora_sync.errors import BadAdapter
 from lora_sync.messages import IntakeRequest, WorkerReply
 from lora_sync.notices import write_notice
 from lora_sync.transports import TRANSPORTS
+from lora_sync.transports.shm import fill_page_tables
 
 from .receiver import StoredAdapter, WorkerState, check_intake, engine_refusal
 
@@ -25,6 +26,10 @@ class WorkerEngine(ABC):
     # lease is mapped instead of copied. A write there would kill the worker, so only an
     # engine whose every step on them is known says so.
     maps_read_only: bool = False
+    # True when the engine first reads an adapter's tensors when a request first uses it
+    # (SGLang copies them into its memory pool then): the page tables of a mapped body are
+    # filled on a thread from intake on, not by that request's faults.
+    reads_at_first_use: bool = False
 
     @abstractmethod
     def rank(self) -> tuple[int, int]:
@@ -86,6 +91,9 @@ class LoRASyncWorker:
         def work() -> dict:
             t0 = time.perf_counter()
             received = transport.receive(intake, self.state)
+            if received.read_only and self.engine.reads_at_first_use:
+                threading.Thread(target=fill_page_tables, args=(received.tensors,),
+                                 name="lora-sync-fill-pages", daemon=True).start()
             t1 = time.perf_counter()
             check_intake(received.tensors, intake.checksum)
             stored = StoredAdapter(received.tensors, intake.config, received.nbytes,

@@ -16,6 +16,9 @@ class SGLangWorkerEngine(WorkerEngine):
     # into its memory pool and applies the scaling there, out of place
     # (sglang/srt/lora/lora.py, mem_pool.py in 0.5.23).
     maps_read_only = True
+    # Its memory pool takes an adapter's weights at the first batch that uses it
+    # (mem_pool.py load_lora_weight_to_buffer).
+    reads_at_first_use = True
 
     def __init__(self, scheduler):
         self.scheduler = scheduler

@@ -48,7 +48,7 @@ _PROBE = re.compile(r"[0-9a-f]{%d}" % (2 * PROBE_BYTES))
 _LEASE_PATH = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,10}")
 MEMFD_NAME = "lora-sync-lease"
 _IOV_MAX = 512  # buffers per pwritev (the kernel allows 1024)
-_MADV_POPULATE_WRITE = 23  # Linux 5.14 (Python's mmap module does not name it)
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14 (Python's mmap lacks them)
 _LIBC = ctypes.CDLL(None, use_errno=True)  # its calls let go of the GIL
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _SPLIT_BYTES = 8 << 20  # smaller copies are not worth a second thread
@@ -321,6 +321,17 @@ def _advise(mapping: mmap.mmap, advice: int) -> None:
             raise OSError(err, os.strerror(err))
     finally:
         del anchor
+
+
+def fill_page_tables(tensors: dict[str, torch.Tensor]) -> None:
+    """Maps every page of the memory `tensors` view into this process's page tables ahead
+    of its first read, letting go of the GIL (a kernel before 5.14: does nothing)."""
+    page = mmap.PAGESIZE
+    for storage in {t.untyped_storage().data_ptr(): t.untyped_storage()
+                    for t in tensors.values()}.values():
+        start = storage.data_ptr() // page * page
+        _LIBC.madvise(start, storage.data_ptr() + storage.nbytes() - start,
+                      _MADV_POPULATE_READ)
 
 
 def write_mapped(mapping: mmap.mmap, chunks: list) -> None:
