@@ -307,8 +307,10 @@ class BroadcastTransport(Transport):
         # Packing copies the tensors anyway: where the client keeps what it pushed, it packs
         # into the client's buffer and the frames are that copy (one copy, not two).
         keep = ctx.keep and self.keeps_copy(group)
-        frames = {"frames": ctx.spare} if keep and ctx.spare is not None else \
-            {} if keep else group.send_buffers
+        if keep:  # the client's spare, or a new buffer when it has none
+            frames = {"frames": ctx.spare} if ctx.spare is not None else {}
+        else:
+            frames = group.send_buffers
 
         def send():
             try:

@@ -632,8 +632,9 @@ def map_sealed(path: str) -> tuple[wire.Header, dict] | None:
     """A sealed body mapped shared and read-only: no copy. Its page tables fill as the
     engine first reads each part (a read fault maps 16 pages at once). Filling them up
     front cost the same in all (vLLM, rank 64: intake + build + register 40.8 ms either
-    way, 10 pushes each) but held the intake's reply. Returns None when `path` is not
-    sealed."""
+    way, 10 pushes each) but held the intake's reply; an engine that first reads at a
+    request has them filled on a thread (`fill_page_tables`). Returns None when `path` is
+    not sealed."""
     with open(path, "rb") as f:
         return view_sealed(f.fileno())
 
