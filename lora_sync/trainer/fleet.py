@@ -97,8 +97,6 @@ class FleetMemory:
     def spare(self, name: str) -> torch.Tensor | None:
         """A spare buffer of `name` for a transport to pack the push into (broadcast): it
         stays a spare unless the push becomes the newest (`pushed`)."""
-        if not self.remember:
-            return None
         with self._lock:
             return next(iter(self._spares.get(name, [])), None)
 

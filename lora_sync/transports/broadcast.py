@@ -122,7 +122,11 @@ class Outgoing:
     sent: threading.Event = field(default_factory=threading.Event)
     packed: threading.Event = field(default_factory=threading.Event)
     errors: list = field(default_factory=list)
-    copy: PackedCopy | None = None  # with SendContext.keep: the frames, for the client
+    copy: PackedCopy | None = None  # with SendContext.keep: the frames, once all are packed
+
+    def mark_packed(self, copy: PackedCopy | None) -> None:
+        self.copy = copy
+        self.packed.set()
 
 
 # -- typed messages ---------------------------------------------------------------------
@@ -306,17 +310,17 @@ class BroadcastTransport(Transport):
 
         # Packing copies the tensors anyway: where the client keeps what it pushed, it packs
         # into the client's buffer and the frames are that copy (one copy, not two).
-        keep = ctx.keep and self.keeps_copy(group)
-        if keep:  # the client's spare, or a new buffer when it has none
+        copy, frames = None, group.send_buffers
+        if ctx.keep and self.keeps_copy(group):  # the client's spare, or a new buffer
             frames = {"frames": ctx.spare} if ctx.spare is not None else {}
-        else:
-            frames = group.send_buffers
+            collective.frame_buffers(transfer, frames)  # allocates one if it has none
+            views = collective.unpack_frames(transfer, frames["frames"])
+            copy = PackedCopy({k: views[k] for k in adapter.tensors}, frames["frames"])
 
         def send():
             try:
                 collective.send_transfer(group.pg, transfer, adapter.tensors, frames,
-                                         group.device, packed=lambda: self._packed(
-                                             out, transfer, frames, adapter, keep))
+                                         group.device, packed=lambda: out.mark_packed(copy))
             except BaseException as e:
                 out.errors.append(e)
             finally:
@@ -324,14 +328,6 @@ class BroadcastTransport(Transport):
                 out.sent.set()
         threading.Thread(target=send, daemon=True, name="lora-sync-broadcast").start()
         return out
-
-    @staticmethod
-    def _packed(out: Outgoing, transfer, frames: dict, adapter: LoRAAdapter,
-                keep: bool) -> None:
-        if keep:
-            views = collective.unpack_frames(transfer, frames["frames"])
-            out.copy = PackedCopy({k: views[k] for k in adapter.tensors}, frames["frames"])
-        out.packed.set()
 
     def keeps_copy(self, group) -> bool:
         return group is not None and group.device == "cpu"  # the client keeps host memory

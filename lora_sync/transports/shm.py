@@ -316,11 +316,15 @@ def _advise(mapping: mmap.mmap, advice: int) -> None:
     every other thread of the trainer (200 MB: a 215 ms stall; 3 ms through here)."""
     anchor = ctypes.c_char.from_buffer(mapping)
     try:
-        if _LIBC.madvise(ctypes.addressof(anchor), len(mapping), advice) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+        _madvise(ctypes.addressof(anchor), len(mapping), advice)
     finally:
         del anchor
+
+
+def _madvise(address: int, length: int, advice: int) -> None:
+    if _LIBC.madvise(address, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def fill_page_tables(tensors: dict[str, torch.Tensor]) -> None:
@@ -330,8 +334,11 @@ def fill_page_tables(tensors: dict[str, torch.Tensor]) -> None:
     for storage in {t.untyped_storage().data_ptr(): t.untyped_storage()
                     for t in tensors.values()}.values():
         start = storage.data_ptr() // page * page
-        _LIBC.madvise(start, storage.data_ptr() + storage.nbytes() - start,
-                      _MADV_POPULATE_READ)
+        try:
+            _madvise(start, storage.data_ptr() + storage.nbytes() - start,
+                     _MADV_POPULATE_READ)
+        except OSError:  # the kernel does not know the advice: the faults stay lazy
+            return
 
 
 def write_mapped(mapping: mmap.mmap, chunks: list) -> None:
