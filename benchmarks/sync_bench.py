@@ -124,14 +124,9 @@ def first_completion_s(client, served: str, transport: str) -> float:
     return time.perf_counter() - t0
 
 
-def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str, disk_loads: int = 0):
+def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str):
     if engine == "vllm":
-        # vLLM's unload route leaves the weights in the worker's LoRA cache until an add
-        # finds it full and evicts the oldest (about 9 ms at rank 64 to free them). With room
-        # for every disk load, no push pays for a disk adapter's eviction, and disk never
-        # pays for its own (as a disk-only trainer would, once per push, with a full cache).
-        return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype,
-                           max_cpu_loras=disk_loads + 8).start()
+        return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8).start()
     # SGLang on CPU needs the sgl-kernel stand-in (PyPI ships CUDA kernels only); see
     # docs/sglang_notes.md. It lives with the tests and is used here for the same reason.
     repo = Path(__file__).resolve().parents[1]
@@ -235,9 +230,7 @@ def run(model_dir: Path, ranks: list[int], reps: int, servers: list, out: Path, 
         for entry in servers:
             started = None
             if isinstance(entry, str):
-                disk_loads = len(ranks) * (reps + 2) * sum(t.startswith("disk")
-                                                          for t in TRANSPORTS)
-                started = start_server(entry, model_dir, max(ranks), dtype, disk_loads)
+                started = start_server(entry, model_dir, max(ranks), dtype)
                 entry = (entry, started.url)
                 own |= _process_tree(started.proc.pid)
             else:
