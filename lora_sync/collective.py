@@ -207,12 +207,11 @@ def _bytes_tensor(raw: bytes, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
-def unpack_frames(transfer: Transfer, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every tensor of a transfer, as views into the one buffer its frames were packed in."""
-    out, pos = {}, 0
-    for b in transfer.buckets:
-        out.update(unpack_bucket(b, payload(b, buf[pos:pos + b.frame_bytes])))
-        pos += b.frame_bytes
+def unpack_frames(transfer: Transfer, frames: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of a transfer, as views into its frames (bucket i in `frames[i]`)."""
+    out = {}
+    for b, frame in zip(transfer.buckets, frames):
+        out.update(unpack_bucket(b, payload(b, frame)))
     return out
 
 
@@ -243,11 +242,11 @@ def receive_transfer(group: Group, transfer: Transfer, frames: list[torch.Tensor
                          if frames else "cpu")
     group.broadcast(header, src)
     transfer.check_header(bytes(header.cpu().numpy()))
-    works, received = [], {}
+    works = []
     for b, frame in zip(transfer.buckets, frames):
         frame[b.trailer_at:].zero_()
         works.append(group.start_broadcast(frame, src))
-        received.update(unpack_bucket(b, payload(b, frame)))
+    received = unpack_frames(transfer, frames)
     for w in works:
         w.wait()
     for i, (b, frame) in enumerate(zip(transfer.buckets, frames)):

@@ -193,9 +193,10 @@ class LoRASyncClient:
             return self._push_with(sender, outgoing, server, ctx)
         results = self._each_server(push_one, version, deadline, alongside)
         packed = sender.finish(outgoing, results) if sender is not None else None
-        for r in results:
-            if r.ok and packed is not None:
-                r.kept = packed
+        if packed is not None:
+            for r in results:
+                if r.ok:
+                    r.kept = packed
         return results
 
     def _push_auto(self, server: Server, adapter, ctx: SendContext) -> PushResult:

@@ -313,8 +313,7 @@ class BroadcastTransport(Transport):
         copy, frames = None, group.send_buffers
         if ctx.keep and self.keeps_copy(group):  # the client's spare, or a new buffer
             frames = {"frames": ctx.spare} if ctx.spare is not None else {}
-            collective.frame_buffers(transfer, frames)  # allocates one if it has none
-            views = collective.unpack_frames(transfer, frames["frames"])
+            views = collective.unpack_frames(transfer, collective.frame_buffers(transfer, frames))
             copy = PackedCopy({k: views[k] for k in adapter.tensors}, frames["frames"])
 
         def send():
