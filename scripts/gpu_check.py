@@ -1,15 +1,24 @@
 """GPU trainers: how fast does a rank-64 adapter get from GPU tensors into an shm lease?
 
-Needs only torch with CUDA (no vLLM, SGLang or lora-sync server). A lease is a memfd the
-trainer maps and writes (lora_sync/transports/shm.py); from a CUDA tensor that write is a
-device-to-host copy. Into pageable memory the driver stages it through its own pinned buffer
-(about half the PCIe bandwidth); registering the mapping with CUDA (cudaHostRegister) makes it
-pinned. This times, per copy of the whole adapter:
+Needs only torch with CUDA (no vLLM, SGLang or lora-sync server; lora_sync is imported from
+this checkout). A lease is a memfd the trainer maps and writes (lora_sync/transports/shm.py);
+from a CUDA tensor that write is a device-to-host copy. Into pageable memory the driver
+stages it through its own pinned buffer; registering the mapping with CUDA
+(cudaHostRegister) makes it pinned, at a price per lease (every push gets a new memfd).
+Each arm copies the whole adapter, on a new lease per repetition, as a push does:
 
-  pageable     GPU tensors -> the lease mapping, as mapped
-  registered   GPU tensors -> the same mapping after cudaHostRegister (and what registering
-               costs, once per lease)
-  pinned       GPU tensors -> torch pinned memory (cudaMemcpy's best case, the reference)
+  per_tensor        one synchronous torch copy per tensor into the mapping (lora_sync
+                    before device_copy.py)
+  lora_sync_ready   lora_sync's write (shm.write_mapped) into a lease already mapped with
+                    its page tables filled: a push that finds its ready lease
+  lora_sync_pinned  the same into a ready lease registered with CUDA where it was readied
+                    (off the push's path); unregistering it is timed, it is on the path
+  lora_sync_fresh   lora_sync's write (shm.write_lease) into a lease just granted: mapping
+                    and page tables included
+  register          what registering (and unregistering) a lease's mapping costs
+  unmap             what closing a written lease's mapping costs (every write ends so: the
+                    server seals only a lease nobody maps writable)
+  pinned            the same packed copies into torch's pinned memory: the bus's floor
 
     python scripts/gpu_check.py [--rank 64] [--reps 20] [--out gpu_check.json]
 """
@@ -19,10 +28,17 @@ import argparse
 import json
 import mmap
 import os
+import secrets
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from lora_sync import wire  # noqa: E402
+from lora_sync.transports import shm  # noqa: E402
+from lora_sync.transports.device_copy import HostPin, copy_to_host  # noqa: E402
 
 # Qwen2.5-0.5B's linear layers (in, out) and depth: the README benchmark's shapes.
 LAYERS = 24
@@ -31,39 +47,54 @@ MODULES = {"q_proj": (896, 896), "k_proj": (896, 128), "v_proj": (896, 128),
            "down_proj": (4864, 896)}
 
 
-def adapter(rank: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
-    out = []
-    for _ in range(LAYERS):
-        for fan_in, fan_out in MODULES.values():
-            out.append(torch.randn(rank, fan_in, device="cuda").to(dtype))
-            out.append(torch.randn(fan_out, rank, device="cuda").to(dtype))
+def adapter(rank: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    out = {}
+    for layer in range(LAYERS):
+        for module, (fan_in, fan_out) in MODULES.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            out[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, device="cuda").to(dtype)
+            out[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, device="cuda").to(dtype)
     return out
 
 
-def copy_into(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
+def local_lease(nbytes: int) -> shm.Lease:
+    """A lease as the server grants one (a memfd of the lease table, probe written), held
+    by this process: lora_sync's trainer side opens it through /proc like any other."""
+    fd = shm._new_memfd(nbytes)
+    probe = secrets.token_bytes(shm.PROBE_BYTES)
+    os.pwrite(fd, probe, 0)
+    return shm.Lease(secrets.token_hex(16), secrets.token_hex(16), f"/proc/{os.getpid()}/fd/{fd}",
+                     probe.hex(), nbytes, 60.0)
+
+
+def drop(lease: shm.Lease) -> None:
+    os.close(int(lease.path.rsplit("/", 1)[1]))
+
+
+def mapped_lease(nbytes: int) -> tuple[shm.Lease, mmap.mmap]:
+    lease = local_lease(nbytes)
+    mapping, read_fd = shm.map_lease(lease)
+    os.close(read_fd)
+    return lease, mapping
+
+
+def clock(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for dst, src in zip(views, tensors):
-        dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+    fn()
     torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) * 1e3
 
 
-def views_of(buf, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    flat = torch.frombuffer(buf, dtype=torch.uint8) if not isinstance(buf, torch.Tensor) else buf
-    views, off = [], 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        views.append(flat[off:off + n])
-        off += n
-    return views
+def summary(xs: list[float]) -> dict:
+    return {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs)}
 
 
-def timed(fn, reps: int) -> dict:
-    fn()  # warm-up: first-touch faults, lazy CUDA init
-    xs = [fn() for _ in range(reps)]
-    return {"median_ms": statistics.median(xs) * 1e3, "min_ms": min(xs) * 1e3,
-            "max_ms": max(xs) * 1e3}
+def repeat(one_rep, reps: int) -> dict:
+    """`one_rep()` returns {part: ms}; a warm-up, then the summary of each part."""
+    one_rep()  # first-touch faults, lazy CUDA init
+    runs = [one_rep() for _ in range(reps)]
+    return {k: summary([r[k] for r in runs]) for k in runs[0]}
 
 
 def main() -> None:
@@ -75,40 +106,72 @@ def main() -> None:
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check.py needs a CUDA device")
-    tensors = adapter(a.rank)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    parts = wire.layout(adapter(a.rank), {"format": "pt"})
+    nbytes = shm.total_bytes(parts)
+    placed, offset = [], len(parts[0])
+    for t in parts[1:]:
+        placed.append((offset, t))
+        offset += t.numel() * t.element_size()
 
-    fd = os.memfd_create("lora-sync-lease", os.MFD_CLOEXEC)
-    os.ftruncate(fd, nbytes)
-    lease = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    lease_views = views_of(lease, tensors)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "rank": a.rank, "bytes": nbytes, "reps": a.reps}
-    result["pageable"] = timed(lambda: copy_into(lease_views, tensors), a.reps)
+    def on_lease(write, pin: bool = False) -> dict:
+        lease, mapping = mapped_lease(nbytes)
+        hold = HostPin.of(mapping) if pin else None
+        ms = clock(lambda: write(mapping, hold))
+        drop(lease)
+        return {"copy": ms}
 
-    cudart = torch.cuda.cudart()
-    ptr = lease_views[0].data_ptr()
-    t0 = time.perf_counter()
-    err = cudart.cudaHostRegister(ptr, nbytes, 0)
-    result["register_ms"] = (time.perf_counter() - t0) * 1e3
-    if int(err) != 0:
-        result["registered"] = {"error": f"cudaHostRegister returned {err}"}
-    else:
-        result["registered"] = timed(lambda: copy_into(lease_views, tensors), a.reps)
+    def per_tensor(mapping, _):
+        flat = torch.frombuffer(mapping, dtype=torch.uint8)
+        for off, t in placed:
+            flat[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+        del flat
+        mapping.close()
+
+    def lora_sync_write(mapping, hold):
+        shm.write_mapped(mapping, parts, hold)
+
+    def fresh_rep():
+        lease = local_lease(nbytes)
+        box = {}
+        ms = clock(lambda: box.setdefault("fd", shm.write_lease(lease, parts)))
+        os.close(box["fd"])
+        drop(lease)
+        return {"copy": ms}
+
+    def register_rep():
+        lease, mapping = mapped_lease(nbytes)
         t0 = time.perf_counter()
-        cudart.cudaHostUnregister(ptr)
-        result["unregister_ms"] = (time.perf_counter() - t0) * 1e3
+        hold = HostPin.of(mapping)
+        t1 = time.perf_counter()
+        hold.release()
+        t2 = time.perf_counter()
+        mapping.close()
+        drop(lease)
+        return {"register": (t1 - t0) * 1e3, "unregister": (t2 - t1) * 1e3}
+
+    def unmap_rep():
+        lease, mapping = mapped_lease(nbytes)
+        t0 = time.perf_counter()
+        mapping.close()
+        ms = (time.perf_counter() - t0) * 1e3
+        drop(lease)
+        return {"unmap": ms}
 
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    pinned_views = views_of(pinned, tensors)
-    result["pinned"] = timed(lambda: copy_into(pinned_views, tensors), a.reps)
-    for k in ("pageable", "registered", "pinned"):
-        if "median_ms" in result[k]:
-            result[k]["gb_per_s"] = nbytes / result[k]["median_ms"] / 1e6
-    lease_views.clear()  # the mapping closes only once nothing views it
-    lease.close()
-    os.close(fd)
-    print(json.dumps(result, indent=1))
+    arms = {"per_tensor": lambda: on_lease(per_tensor),
+            "lora_sync_ready": lambda: on_lease(lora_sync_write),
+            "lora_sync_pinned": lambda: on_lease(lora_sync_write, pin=True),
+            "lora_sync_fresh": fresh_rep,
+            "register": register_rep,
+            "unmap": unmap_rep,
+            "pinned": lambda: {"copy": clock(lambda: copy_to_host(pinned, placed))}}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cpus": os.cpu_count(), "rank": a.rank, "bytes": nbytes, "reps": a.reps}
+    for name, rep in arms.items():
+        result[name] = repeat(rep, a.reps)
+        if "copy" in result[name]:
+            result[name]["gb_per_s"] = nbytes / result[name]["copy"]["median_ms"] / 1e6
+        print(name, json.dumps(result[name]), flush=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
 

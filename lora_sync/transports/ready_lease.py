@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from .. import http, replies
 from ..errors import LoRASyncError
 from .base import Server
+from .device_copy import HostPin
 from .shm import CANCEL_ROUTE, LEASE_ROUTE, RENEW_ROUTE, Lease, map_lease
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,12 @@ class ReadyLease:
     lease: Lease
     mapping: mmap.mmap            # shared, writable, page tables filled
     read_fd: int                  # the same memfd, read only (see shm.reopen_read_only)
+    pin: HostPin | None = None    # registered with CUDA, for a GPU trainer's copy
     timer: threading.Timer | None = None
 
     def close(self) -> None:
+        if self.pin is not None:
+            self.pin.release()
         self.mapping.close()
         os.close(self.read_fd)
 
@@ -57,7 +61,7 @@ class ReadyLeases:
         self.headers, self.client_id = headers, client_id
         self.timeout = min(timeout, CALL_TIMEOUT_S)
         self._slots: dict[str, Future] = {}   # server url -> Future[ReadyLease | None]
-        self._wanted: dict[str, tuple] = {}   # server url -> (server, name, nbytes)
+        self._wanted: dict[str, tuple] = {}   # server url -> (server, name, nbytes, pin)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-sync-ready-lease")
         self._closed = False
@@ -76,20 +80,21 @@ class ReadyLeases:
         self._discard(ready)
         return None
 
-    def want(self, server: Server, name: str, nbytes: int) -> None:
+    def want(self, server: Server, name: str, nbytes: int, pin: bool = False) -> None:
         """Asks for the next lease of `name` on `server`, readied once `start` is called:
         the client calls it when its push has returned, so that the push never waits on
-        the work it starts (70 MB of fresh pages to fill)."""
+        the work it starts (70 MB of fresh pages to fill). `pin`: register it with CUDA
+        too (a GPU trainer's: see device_copy.py)."""
         with self._lock:
-            self._wanted[server.url] = (server, name, nbytes)
+            self._wanted[server.url] = (server, name, nbytes, pin)
 
     def start(self) -> None:
         """Readies what was wanted, in the background."""
         with self._lock:
             wanted, self._wanted = self._wanted, {}
-            for url, (server, name, nbytes) in wanted.items():
+            for url, want in wanted.items():
                 if not self._closed and url not in self._slots:  # one per server
-                    self._slots[url] = self._pool.submit(self._ready, server, name, nbytes)
+                    self._slots[url] = self._pool.submit(self._ready, *want)
 
     def ready_for(self, server_url: str) -> ReadyLease | None:
         """The lease ready on that server now (None: none, or still being readied)."""
@@ -121,7 +126,7 @@ class ReadyLeases:
         self._pool.shutdown(wait=True)
 
     # -- on the pool's thread ------------------------------------------------------------
-    def _ready(self, server: Server, name: str, nbytes: int) -> ReadyLease | None:
+    def _ready(self, server: Server, name: str, nbytes: int, pin: bool) -> ReadyLease | None:
         """None where no lease could be readied: the next push takes the usual path."""
         time.sleep(START_DELAY_S)
         try:
@@ -140,7 +145,7 @@ class ReadyLeases:
         if mapped is None:
             self._cancel(server, lease)
             return None
-        ready = ReadyLease(server, name, lease, *mapped)
+        ready = ReadyLease(server, name, lease, *mapped, HostPin.of(mapped[0]) if pin else None)
         self._renew_later(ready)
         return ready
 

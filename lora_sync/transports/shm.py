@@ -32,6 +32,7 @@ from .. import http, replies, wire
 from ..errors import BadAdapter, Conflict, Forbidden, NotFound, TooBusy
 from ..fields import field
 from ..staging import StagedBody
+from .device_copy import HostPin, copy_to_host, on_device
 from .base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
     Transport, staged_file
 
@@ -341,34 +342,44 @@ def fill_page_tables(tensors: dict[str, torch.Tensor]) -> None:
             return
 
 
-def write_mapped(mapping: mmap.mmap, chunks: list) -> None:
-    """Copies the safetensors file (`chunks`) into a mapped lease, then unmaps it: the
-    server cannot seal a lease that is still mapped writable.
+def write_mapped(mapping: mmap.mmap, chunks: list, pin: HostPin | None = None) -> None:
+    """Copies the safetensors file (`chunks`) into a mapped lease, then unmaps it (and lets
+    go of its CUDA registration, `pin`, first): the server cannot seal a lease that is
+    still mapped writable.
 
     Host tensors go in with plain memcpy (ctypes.memmove, which lets go of the GIL), not
     torch's copy: on a thread other than the trainer's, torch starts a second OpenMP team
     whose threads then spin against the trainer's own (on 2 cores a 70 MB copy took 13-20 ms
-    that way, 8-9 ms as a memcpy)."""
+    that way, 8-9 ms as a memcpy). GPU tensors go device to host in a few packed copies
+    (device_copy.py)."""
     try:
         anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address, while it lives
         base = ctypes.addressof(anchor)
         try:
-            offset, copies, sources = 0, [], []
+            offset, copies, sources, on_gpu = 0, [], [], []
             for chunk in chunks:
-                if isinstance(chunk, torch.Tensor) and chunk.device.type == "cpu":
+                n = _nbytes(chunk)
+                if offset + n > len(mapping):
+                    raise ValueError("the chunks do not fit the lease")
+                if on_device(chunk):
+                    on_gpu.append((offset, chunk))
+                elif isinstance(chunk, torch.Tensor):
                     src = chunk.detach().contiguous()
-                    n = src.numel() * src.element_size()
-                    if offset + n > len(mapping):
-                        raise ValueError("the chunks do not fit the lease")
                     sources.append(src)  # alive until copied
                     copies.append((base + offset, src.data_ptr(), n))
-                    offset += n
                 else:
-                    offset = _copy_into(mapping, offset, chunk)
+                    mapping[offset:offset + n] = chunk
+                offset += n
+            if on_gpu:
+                # a view of the address, not of the mapping: it must not pin the mapping open
+                view = (ctypes.c_ubyte * len(mapping)).from_address(base)
+                copy_to_host(torch.frombuffer(view, dtype=torch.uint8), on_gpu)
             _memmove_all(copies)
         finally:
             del anchor
     finally:
+        if pin is not None:
+            pin.release()
         mapping.close()
 
 
@@ -449,22 +460,13 @@ def _is_lease_memfd(fd: int) -> bool:
         and target.startswith(f"/memfd:{MEMFD_NAME}")
 
 
-def _copy_into(buf: mmap.mmap, offset: int, chunk) -> int:
-    if isinstance(chunk, torch.Tensor):
-        n = chunk.numel() * chunk.element_size()
-        if n:
-            dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
-            dst.copy_(chunk.detach().contiguous().reshape(-1).view(torch.uint8))
-            del dst
-        return offset + n
-    n = len(chunk)
-    buf[offset:offset + n] = chunk
-    return offset + n
+def _nbytes(chunk) -> int:
+    return chunk.numel() * chunk.element_size() if isinstance(chunk, torch.Tensor) \
+        else len(chunk)
 
 
 def total_bytes(chunks: list) -> int:
-    return sum(c.numel() * c.element_size() if isinstance(c, torch.Tensor) else len(c)
-               for c in chunks)
+    return sum(_nbytes(c) for c in chunks)
 
 
 def _post(server: Server, route: str, ctx: SendContext, body: dict) -> tuple[dict, dict]:
@@ -511,7 +513,7 @@ class ShmTransport(Transport):
         if result is None:
             result = self._send_fresh(parts, server, ctx, nbytes)
         if result is not None and ctx.ready is not None:
-            ctx.ready.want(server, ctx.name, nbytes)
+            ctx.ready.want(server, ctx.name, nbytes, pin=any(on_device(p) for p in parts))
         return result
 
     def _send_ready(self, parts, server, ctx, nbytes) -> PushResult | None:
@@ -520,7 +522,7 @@ class ShmTransport(Transport):
         if ready is None:
             return None
         t1 = time.perf_counter()
-        write_mapped(ready.mapping, parts)
+        write_mapped(ready.mapping, parts, ready.pin)
         try:
             return self._commit(ready.lease, ready.read_fd, server, ctx, t0, t1)
         except NotFound:  # it expired (the trainer slept through its renewals) or restarted

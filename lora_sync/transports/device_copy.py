@@ -1,0 +1,99 @@
+"""A GPU trainer's tensors into host memory (an shm lease's mapping), device to host.
+
+What costs is not the bytes but the number of copies and where they land. On an H100
+(PCIe 5 x16) at rank 64 (70 MB, 336 tensors), a write into a ready lease, unmap included
+(scripts/gpu_check.py, 30 leases, medians; docs/protocol.md has the table):
+
+- one synchronous copy per tensor (torch's `copy_`): 23.9 ms;
+- the tensors packed on the GPU into buckets of at most BUCKET_BYTES, one queued copy per
+  bucket, into plain (pageable) memory, which the driver stages: 18.1 ms;
+- the same into a mapping registered with CUDA (cudaHostRegister): 11.9 ms, of which the
+  copies are 2-4, releasing the registration 1.7 and the unmap 5.5.
+
+Registering 70 MB costs 4.7 ms, and every push gets a new memfd: registered on the push's
+path it would cost about what it saves. So only a lease readied ahead (ready_lease.py) is
+registered, there, off the path.
+
+The copies run on each device's current stream, after the work the trainer queued there."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+
+import torch
+
+log = logging.getLogger(__name__)
+# A bucket is a transient GPU buffer: bounded, so that a large adapter needs no second copy
+# of itself on the GPU (into pageable memory, copy only: 8.7 ms for 70 MB in 32 MB buckets,
+# 8.0 in one, 10.0 in 8 MB ones; into registered memory 2.0 ms for all three).
+BUCKET_BYTES = 32 << 20
+# cudaHostRegisterPortable: pinned for every device, not only the registering thread's
+# current one (a trainer rank's tensors may be on cuda:3; the registering thread's is 0).
+_PORTABLE = 1
+
+
+def on_device(chunk) -> bool:
+    return isinstance(chunk, torch.Tensor) and chunk.device.type != "cpu"
+
+
+def copy_to_host(dst: torch.Tensor, placed: list[tuple[int, torch.Tensor]],
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Copies each (offset, tensor) into `dst` (a flat uint8 host tensor) at its byte
+    offset, and waits for the copies. Neighbours (each one's bytes ending where the next's
+    start) on one device are packed into one copy of at most `bucket_bytes`."""
+    devices = set()
+    for offset, group in _buckets(placed, bucket_bytes):
+        packed = torch.cat(group) if len(group) > 1 else group[0]
+        dst[offset:offset + packed.numel()].copy_(packed, non_blocking=True)
+        devices.add(packed.device)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+
+def _buckets(placed, limit: int):
+    """(offset, [byte views]) runs: adjacent in `dst`, one device, at most `limit` bytes
+    (a tensor larger than that is a run by itself)."""
+    start, run, size, end, device = 0, [], 0, None, None
+    for offset, tensor in placed:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        if run and (offset != end or flat.device != device or size + flat.numel() > limit):
+            yield start, run
+            run, size = [], 0
+        if not run:
+            start, device = offset, flat.device
+        run.append(flat)
+        size += flat.numel()
+        end = offset + flat.numel()
+    if run:
+        yield start, run
+
+
+class HostPin:
+    """A mapping registered with CUDA (page-locked), so that copies into it run at the
+    bus's speed. `release()` before the mapping is closed: CUDA must let go of the pages
+    before they are unmapped."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.address, self.nbytes = address, nbytes
+
+    @classmethod
+    def of(cls, mapping: mmap.mmap) -> "HostPin | None":
+        """None where CUDA is not there or refuses (the copies then stage through the
+        driver's own pinned buffer, as into any host memory)."""
+        if not torch.cuda.is_available() or not len(mapping):
+            return None
+        anchor = ctypes.c_char.from_buffer(mapping)
+        address = ctypes.addressof(anchor)
+        del anchor  # the address stays valid while the mapping is open
+        err = int(torch.cuda.cudart().cudaHostRegister(address, len(mapping), _PORTABLE))
+        if err:
+            log.debug("cudaHostRegister refused a lease mapping (error %d)", err)
+            return None
+        return cls(address, len(mapping))
+
+    def release(self) -> None:
+        if self.address:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.address = 0
