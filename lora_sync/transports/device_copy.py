@@ -75,8 +75,8 @@ class HostPin:
     bus's speed. `release()` before the mapping is closed: CUDA must let go of the pages
     before they are unmapped."""
 
-    def __init__(self, address: int, nbytes: int):
-        self.address, self.nbytes = address, nbytes
+    def __init__(self, address: int):
+        self.address = address
 
     @classmethod
     def of(cls, mapping: mmap.mmap) -> "HostPin | None":
@@ -87,11 +87,14 @@ class HostPin:
         anchor = ctypes.c_char.from_buffer(mapping)
         address = ctypes.addressof(anchor)
         del anchor  # the address stays valid while the mapping is open
-        err = int(torch.cuda.cudart().cudaHostRegister(address, len(mapping), _PORTABLE))
+        try:
+            err = int(torch.cuda.cudart().cudaHostRegister(address, len(mapping), _PORTABLE))
+        except RuntimeError as e:  # CUDA itself failed: the lease is still usable unpinned
+            err = str(e)
         if err:
-            log.debug("cudaHostRegister refused a lease mapping (error %d)", err)
+            log.debug("cudaHostRegister refused a lease mapping: %s", err)
             return None
-        return cls(address, len(mapping))
+        return cls(address)
 
     def release(self) -> None:
         if self.address:

@@ -32,9 +32,9 @@ from .. import http, replies, wire
 from ..errors import BadAdapter, Conflict, Forbidden, NotFound, TooBusy
 from ..fields import field
 from ..staging import StagedBody
-from .device_copy import HostPin, copy_to_host, on_device
 from .base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
     Transport, staged_file
+from .device_copy import HostPin, copy_to_host, on_device
 
 LEASE_ROUTE = "lora_sync_lease"
 CANCEL_ROUTE = "lora_sync_lease_cancel"
