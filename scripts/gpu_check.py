@@ -28,7 +28,6 @@ import argparse
 import json
 import mmap
 import os
-import secrets
 import statistics
 import sys
 import time
@@ -57,25 +56,14 @@ def adapter(rank: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     return out
 
 
-def local_lease(nbytes: int) -> shm.Lease:
-    """A lease as the server grants one (a memfd of the lease table, probe written), held
-    by this process: lora_sync's trainer side opens it through /proc like any other."""
-    fd = shm._new_memfd(nbytes)
-    probe = secrets.token_bytes(shm.PROBE_BYTES)
-    os.pwrite(fd, probe, 0)
-    return shm.Lease(secrets.token_hex(16), secrets.token_hex(16), f"/proc/{os.getpid()}/fd/{fd}",
-                     probe.hex(), nbytes, 60.0)
-
-
-def drop(lease: shm.Lease) -> None:
-    os.close(int(lease.path.rsplit("/", 1)[1]))
-
-
-def mapped_lease(nbytes: int) -> tuple[shm.Lease, mmap.mmap]:
-    lease = local_lease(nbytes)
+def mapped_lease(nbytes: int) -> tuple[int, mmap.mmap]:
+    """A lease as the server grants one (shm.new_lease: a lease memfd, its probe written),
+    held by this process, mapped by lora_sync's trainer side through /proc like any
+    other; returns its descriptor (to close) and the mapping."""
+    fd, lease = shm.new_lease(nbytes, 60.0)
     mapping, read_fd = shm.map_lease(lease)
     os.close(read_fd)
-    return lease, mapping
+    return fd, mapping
 
 
 def clock(fn) -> float:
@@ -114,10 +102,10 @@ def main() -> None:
         offset += t.numel() * t.element_size()
 
     def on_lease(write, pin: bool = False) -> dict:
-        lease, mapping = mapped_lease(nbytes)
+        fd, mapping = mapped_lease(nbytes)
         hold = HostPin.of(mapping) if pin else None
         ms = clock(lambda: write(mapping, hold))
-        drop(lease)
+        os.close(fd)
         return {"copy": ms}
 
     def per_tensor(mapping, _):
@@ -131,30 +119,30 @@ def main() -> None:
         shm.write_mapped(mapping, parts, hold)
 
     def fresh_rep():
-        lease = local_lease(nbytes)
+        fd, lease = shm.new_lease(nbytes, 60.0)
         box = {}
         ms = clock(lambda: box.setdefault("fd", shm.write_lease(lease, parts)))
         os.close(box["fd"])
-        drop(lease)
+        os.close(fd)
         return {"copy": ms}
 
     def register_rep():
-        lease, mapping = mapped_lease(nbytes)
+        fd, mapping = mapped_lease(nbytes)
         t0 = time.perf_counter()
         hold = HostPin.of(mapping)
         t1 = time.perf_counter()
         hold.release()
         t2 = time.perf_counter()
         mapping.close()
-        drop(lease)
+        os.close(fd)
         return {"register": (t1 - t0) * 1e3, "unregister": (t2 - t1) * 1e3}
 
     def unmap_rep():
-        lease, mapping = mapped_lease(nbytes)
+        fd, mapping = mapped_lease(nbytes)
         t0 = time.perf_counter()
         mapping.close()
         ms = (time.perf_counter() - t0) * 1e3
-        drop(lease)
+        os.close(fd)
         return {"unmap": ms}
 
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

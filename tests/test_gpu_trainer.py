@@ -144,12 +144,12 @@ def test_a_lease_readied_after_a_gpu_push_is_registered_and_let_go(monkeypatch):
     from lora_sync.transports import ready_lease
     from lora_sync.transports.base import Server
     from lora_sync.transports.ready_lease import ReadyLeases
-    granted, pins = [], []
+    fds, pins = [], []
 
     def post(self, server, route, body):
         if route == shm.LEASE_ROUTE:
-            lease = _local_lease(body["nbytes"])
-            granted.append(lease)
+            fd, lease = shm.new_lease(body["nbytes"], 60.0)
+            fds.append(fd)
             return lease.to_json()
         return {"expires_s": 60.0}
 
@@ -181,17 +181,8 @@ def test_a_lease_readied_after_a_gpu_push_is_registered_and_let_go(monkeypatch):
         leases.want(server, "policy", nbytes, pin=True)
         leases.start()
         assert leases.take(server, "other", nbytes) is None  # discarded
-        assert len(granted) == len(pins) == 2 and all(not p.address for p in pins)
+        assert len(fds) == len(pins) == 2 and all(not p.address for p in pins)
     finally:
         leases.close()
-        for lease in granted:
-            os.close(int(lease.path.rsplit("/", 1)[1]))
-
-
-def _local_lease(nbytes: int) -> shm.Lease:
-    import secrets
-    fd = shm._new_memfd(nbytes)
-    probe = secrets.token_bytes(shm.PROBE_BYTES)
-    os.pwrite(fd, probe, 0)
-    return shm.Lease(secrets.token_hex(16), secrets.token_hex(32),
-                     f"/proc/{os.getpid()}/fd/{fd}", probe.hex(), nbytes, 60.0)
+        for fd in fds:
+            os.close(fd)

@@ -45,11 +45,12 @@ def copy_to_host(dst: torch.Tensor, placed: list[tuple[int, torch.Tensor]],
     devices = set()
     for offset, group in _buckets(placed, bucket_bytes):
         packed = torch.cat(group) if len(group) > 1 else group[0]
-        dst[offset:offset + packed.numel()].copy_(packed, non_blocking=True)
-        devices.add(packed.device)
+        # queued on CUDA and waited for below; other devices copy synchronously
+        dst[offset:offset + packed.numel()].copy_(packed, non_blocking=packed.is_cuda)
+        if packed.is_cuda:
+            devices.add(packed.device)
     for device in devices:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _buckets(placed, limit: int):

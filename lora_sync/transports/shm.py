@@ -169,14 +169,10 @@ class LeaseTable:
         if self.held_bytes + nbytes > budget:
             raise TooBusy(f"open leases hold {self.held_bytes} bytes; {nbytes} more would "
                           f"pass LORA_SYNC_MAX_STAGING_MB ({budget} bytes)", code="staging_full")
-        fd = _new_memfd(nbytes)
-        probe = secrets.token_bytes(PROBE_BYTES)
-        os.pwrite(fd, probe, 0)
-        lease_id, token = secrets.token_hex(16), secrets.token_hex(32)
-        self.pending[lease_id] = _Pending(fd, nbytes, _digest(token), client)
-        self._arm(lease_id)
-        return Lease(lease_id, token, f"/proc/{os.getpid()}/fd/{fd}", probe.hex(), nbytes,
-                     self.ttl_s)
+        fd, lease = new_lease(nbytes, self.ttl_s)
+        self.pending[lease.lease_id] = _Pending(fd, nbytes, _digest(lease.token), client)
+        self._arm(lease.lease_id)
+        return lease
 
     def take(self, req: CommitRequest) -> SealedBody:
         """Redeems a lease (once) and seals it: the bytes are fixed from here on."""
@@ -237,10 +233,15 @@ class LeaseTable:
             os.close(held.fd)
 
 
-def _new_memfd(nbytes: int) -> int:
+def new_lease(nbytes: int, ttl_s: float) -> tuple[int, Lease]:
+    """A new memfd of `nbytes`, its probe written, and the grant that names it (reachable
+    through this process's /proc). The caller owns the descriptor."""
     fd = os.memfd_create(MEMFD_NAME, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)
-    return fd
+    probe = secrets.token_bytes(PROBE_BYTES)
+    os.pwrite(fd, probe, 0)
+    return fd, Lease(secrets.token_hex(16), secrets.token_hex(32),
+                     f"/proc/{os.getpid()}/fd/{fd}", probe.hex(), nbytes, ttl_s)
 
 
 def _digest(token: str) -> bytes:
@@ -417,7 +418,7 @@ def write_lease(lease: Lease, chunks: list) -> int | None:
     here (the caller falls back to HTTP). Host memory goes in with `pwritev`, straight from
     the tensors (filling a mapping's page tables costs about what the copy does); tensors on
     a GPU are copied device to host into a mapping of the lease."""
-    if all(not isinstance(c, torch.Tensor) or c.device.type == "cpu" for c in chunks):
+    if not any(on_device(c) for c in chunks):
         written = _with_lease(lease, lambda fd: _pwrite_all(fd, chunks))
         return None if written is None else written[1]
     mapped = map_lease(lease)
