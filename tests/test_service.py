@@ -998,6 +998,38 @@ def test_committed_bytes_cannot_change(fake_client, make_adapter):
     assert greedy(c, "seal") == after == served_text(make_adapter(seed=812)) != before
 
 
+def test_a_commit_waits_for_the_trainers_unmap_then_seals_what_is_there(fake_client,
+                                                                        make_adapter):
+    """The trainer commits while its unmap still runs (shm.write_then_unmap): the server's
+    seal waits for the writable mapping to go (at most SEAL_WAIT_S; held longer: 409, see
+    above) and serves the bytes as they are then, sealed from there on."""
+    c = fake_client
+    parts = parts_of(make_adapter(seed=813), "unmap")
+    granted = lease(c, shm.total_bytes(parts))
+    fd = os.open(granted.path, os.O_RDWR)
+    held = mmap.mmap(fd, granted.nbytes)
+    os.close(fd)
+    gate = threading.Event()  # the unmap waits behind it, on the client's unmap thread
+    blocker = shm._UNMAPPER.submit(gate.wait, 30)
+    threading.Timer(0.3, gate.set).start()
+    try:
+        unmapping = shm.write_then_unmap(held, parts)
+        mapped_at_commit = not unmapping.done()
+        status, reply = commit(c, granted)  # the old code: 409 lease_mapped at once
+    finally:
+        gate.set()
+        blocker.result()
+    unmapping.result()
+    assert mapped_at_commit and status == 200, reply
+    assert greedy(c, "unmap") == served_text(make_adapter(seed=813))
+    fd = os.open(granted.path, os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, granted.nbytes)
+    finally:
+        os.close(fd)
+
+
 def test_abused_leases_are_refused_and_change_nothing(fake_client, make_adapter):
     """test_shm.py::test_abused_leases_are_refused_and_change_nothing."""
     c = fake_client
