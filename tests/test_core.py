@@ -113,6 +113,45 @@ def test_a_large_copy_into_a_lease_is_split_across_two_threads_exactly():
         os.close(fd)
 
 
+@pytest.mark.parametrize("rewritten", [False, True])
+def test_a_header_parsed_while_the_seal_waits_is_used_only_if_the_sealed_bytes_match(
+        monkeypatch, rewritten):
+    """While a commit's seal waits for the trainer's unmap, the server parses the header
+    ahead. Rewritten before the unmap (same length, another name), the sealed header is the
+    one returned; unchanged, the header is parsed once."""
+    import mmap
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from lora_sync.transports import shm
+    tensors = {"a": torch.randn(4, 8), "b": torch.randn(8, 4)}
+    first, second = (wire.layout(tensors, {"name": n}) for n in ("aaaa", "bbbb"))
+    nbytes = shm.total_bytes(first)
+    fd, _ = shm.new_lease(nbytes, 30)
+    parsed, calls, parse = threading.Event(), [], wire.parse_header
+
+    def spy(raw, n=None):
+        calls.append(raw)
+        parsed.set()
+        return parse(raw, n)
+    monkeypatch.setattr(shm.wire, "parse_header", spy)
+    try:
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        mapping[:] = wire.encode_bytes(tensors, {"name": "aaaa"})
+        with ThreadPoolExecutor(1) as pool:
+            sealing = pool.submit(shm.seal_and_read_header, fd, nbytes)
+            assert parsed.wait(10)  # parsed ahead, the mapping still held
+            assert not sealing.done()
+            if rewritten:
+                mapping[:len(second[0])] = bytes(second[0])
+            mapping.close()
+            header = sealing.result(timeout=10)
+        assert header.metadata["name"] == ("bbbb" if rewritten else "aaaa")
+        assert len(calls) == (2 if rewritten else 1)
+        assert shm.is_sealed(fd)
+    finally:
+        os.close(fd)
+
+
 def test_filling_a_lease_lets_the_trainers_other_threads_run():
     """A lease readied ahead has its pages filled on a client thread: the trainer's own
     thread must keep running meanwhile (Python's mmap.madvise holds the GIL: 200 MB stalled
