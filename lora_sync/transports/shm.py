@@ -237,7 +237,9 @@ class LeaseTable:
             os.close(held.fd)
 
 
-SEAL_WAIT_S = 1.0  # how long a commit waits for the trainer's writable mapping to go
+# How long a commit waits for the trainer's writable mapping to go. A waiting commit holds
+# one thread of the event loop's default pool; leases (so commits) are bounded per client.
+SEAL_WAIT_S = 1.0
 
 
 def seal_and_read_header(fd: int, nbytes: int) -> wire.Header:
@@ -399,8 +401,9 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
     """Copies the safetensors file (`chunks`) into a mapped lease and returns once every byte
     is in, with the unmap (and the release of its CUDA registration, `pin`) still running
     on the client's unmap thread: the returned future is done once the mapping is gone. The
-    caller commits meanwhile, and the server's seal waits for the unmap (`_seal`): 70 MB is
-    17,000 page-table entries to tear down, about 4 ms on this VM, off the push's path.
+    caller commits meanwhile, and the server's seal waits for the unmap
+    (`seal_and_read_header`): 70 MB is 17,000 page-table entries to tear down, about 4 ms
+    on this VM, off the push's path.
 
     Host tensors go in with plain memcpy (ctypes.memmove, which lets go of the GIL), not
     torch's copy: on a thread other than the trainer's, torch starts a second OpenMP team
