@@ -182,15 +182,14 @@ class LeaseTable:
         self._close_pending(req.lease_id, keep_fd=True)
         try:
             header = await asyncio.to_thread(seal_and_read_header, held.fd, held.nbytes)
-        except OSError as e:
+        except BaseException as e:
             os.close(held.fd)
+            if not isinstance(e, OSError):
+                raise
             if e.errno == errno.EBUSY:  # a writable shared mapping still exists
                 raise Conflict("the lease is still mapped writable by some process; unmap "
                                "it before committing", code="lease_mapped") from None
             raise BadAdapter(f"could not seal the lease ({e})", code="bad_lease") from None
-        except BaseException:
-            os.close(held.fd)
-            raise
         return SealedBody(held.fd, held.nbytes), header
 
     def cancel(self, req: CommitRequest) -> None:
