@@ -4,6 +4,8 @@ import os
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -150,6 +152,50 @@ def test_a_header_parsed_while_the_seal_waits_is_used_only_if_the_sealed_bytes_m
         assert shm.is_sealed(fd)
     finally:
         os.close(fd)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6))
+def test_the_header_a_commit_gets_is_always_the_sealed_ones(writes):
+    """Whatever the trainer writes into the header after the early parse and before its
+    unmap (random bytes at random places, the length field included), the commit's outcome
+    is exactly that of parsing the sealed file: the same header, or the same refusal."""
+    import mmap
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from lora_sync.transports import shm
+    tensors = {"a": torch.ones(4, 8), "b": torch.zeros(8, 4)}
+    body = wire.encode_bytes(tensors, {"name": "prop"})
+    nbytes, hlen = len(body), wire.header_length(body[:8])
+    fd, _ = shm.new_lease(nbytes, 30)
+    parsed, parse = threading.Event(), wire.parse_header
+
+    def spy(raw, n=None):
+        parsed.set()
+        return parse(raw, n)
+    shm.wire.parse_header = spy
+    try:
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        mapping[:] = body
+        with ThreadPoolExecutor(1) as pool:
+            sealing = pool.submit(shm.seal_and_read_header, fd, nbytes)
+            assert parsed.wait(10)
+            for at, value in writes:
+                mapping[at % hlen] = value
+            mapping.close()
+            outcome = _outcome(lambda: sealing.result(timeout=10))
+        assert shm.is_sealed(fd)
+        assert outcome == _outcome(lambda: parse(os.pread(fd, nbytes, 0), nbytes))
+    finally:
+        shm.wire.parse_header = parse
+        os.close(fd)
+
+
+def _outcome(parse_it):
+    try:
+        return parse_it()
+    except BadAdapter as e:
+        return ("refused", e.code, str(e))
 
 
 def test_filling_a_lease_lets_the_trainers_other_threads_run():
