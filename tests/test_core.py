@@ -204,7 +204,7 @@ def test_filling_a_lease_lets_the_trainers_other_threads_run():
     it for 215 ms). 512 MB take tens of ms to fill; the main thread ticks every ms."""
     import threading
     import time
-    from lora_sync.transports import shm
+    from lora_sync.transports import pages
     nbytes = 512 << 20
     fd = os.memfd_create("lora-sync-test")
     os.ftruncate(fd, nbytes)
@@ -212,7 +212,7 @@ def test_filling_a_lease_lets_the_trainers_other_threads_run():
 
     def fill():
         t0 = time.perf_counter()
-        shm._map_filled(fd, nbytes).close()
+        pages.map_filled(fd, nbytes).close()
         took.append(time.perf_counter() - t0)
         done.set()
     try:
@@ -635,7 +635,7 @@ def test_filling_page_tables_maps_a_sealed_lease_ahead_of_its_first_read():
     import fcntl
     import os
 
-    from lora_sync.transports import shm
+    from lora_sync.transports import pages, shm
     nbytes = 8 << 20
     fd = os.memfd_create("lora-sync-test", os.MFD_ALLOW_SEALING)
     os.write(fd, wire.encode_bytes({"w": torch.ones(nbytes // 4)}, {"lora_name": "x"}))
@@ -652,7 +652,7 @@ def test_filling_page_tables_maps_a_sealed_lease_ahead_of_its_first_read():
                 return int(re.search(r"^Rss:\s+(\d+) kB", block, re.M).group(1))
         raise AssertionError("the mapping is not in smaps")
     assert resident_kb() < 1024  # nothing read yet
-    shm.fill_page_tables(tensors)
+    pages.fill_page_tables(tensors)
     assert resident_kb() >= nbytes // 1024
     os.close(fd)
 

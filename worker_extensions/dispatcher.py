@@ -13,7 +13,7 @@ from lora_sync.errors import BadAdapter
 from lora_sync.messages import IntakeRequest, WorkerReply
 from lora_sync.notices import write_notice
 from lora_sync.transports import TRANSPORTS
-from lora_sync.transports.shm import fill_page_tables
+from lora_sync.transports.pages import fill_page_tables
 
 from .receiver import StoredAdapter, WorkerState, check_intake, engine_refusal
 

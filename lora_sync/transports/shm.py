@@ -35,6 +35,7 @@ from ..fields import field
 from ..staging import StagedBody
 from .base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
     Transport, staged_file
+from . import pages
 from .device_copy import HostPin, copy_to_host, on_device
 
 LEASE_ROUTE = "lora_sync_lease"
@@ -50,9 +51,6 @@ _PROBE = re.compile(r"[0-9a-f]{%d}" % (2 * PROBE_BYTES))
 _LEASE_PATH = re.compile(r"/proc/[1-9][0-9]{0,9}/fd/[0-9]{1,10}")
 MEMFD_NAME = "lora-sync-lease"
 _IOV_MAX = 512  # buffers per pwritev (the kernel allows 1024)
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14 (Python's mmap lacks them)
-_LIBC = ctypes.CDLL(None, use_errno=True)  # its calls let go of the GIL
-_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _SPLIT_BYTES = 8 << 20  # smaller copies are not worth a second thread
 # After these, nobody can write, resize, map writable or unseal the memfd.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -322,7 +320,7 @@ def map_lease(lease: Lease) -> tuple[mmap.mmap, int] | None:
     """The lease mapped shared and writable, its page tables filled now, and a read-only
     descriptor of it (None: unreachable). Filling the page tables is most of a write's cost:
     done ahead of a push, the push only copies."""
-    return _with_lease(lease, lambda fd: _map_filled(fd, lease.nbytes))
+    return _with_lease(lease, lambda fd: pages.map_filled(fd, lease.nbytes))
 
 
 def _with_lease(lease: Lease, use) -> tuple | None:
@@ -340,53 +338,6 @@ def _with_lease(lease: Lease, use) -> tuple | None:
             raise
     finally:
         os.close(fd)
-
-
-def _map_filled(fd: int, nbytes: int) -> mmap.mmap:
-    """A shared writable mapping, its pages allocated and page tables filled, asking for
-    huge pages first: where the operator allows them for shared memory
-    (transparent_hugepage/shmem_enabled `advise`), the lease is then held in 2 MiB pages
-    (a copy, an unmap and the workers' mapping handle 512 times fewer). Elsewhere the advice
-    does nothing."""
-    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    try:
-        _advise(mapping, mmap.MADV_HUGEPAGE)
-        _advise(mapping, _MADV_POPULATE_WRITE)
-        return mapping
-    except OSError:  # a kernel before 5.14: fill it the older way
-        mapping.close()
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-
-
-def _advise(mapping: mmap.mmap, advice: int) -> None:
-    """madvise(2) on the whole mapping, letting go of the GIL meanwhile: Python's
-    `mmap.madvise` holds it, and filling a lease's pages on the client's thread then stalled
-    every other thread of the trainer (200 MB: a 215 ms stall; 3 ms through here)."""
-    anchor = ctypes.c_char.from_buffer(mapping)
-    try:
-        _madvise(ctypes.addressof(anchor), len(mapping), advice)
-    finally:
-        del anchor
-
-
-def _madvise(address: int, length: int, advice: int) -> None:
-    if _LIBC.madvise(address, length, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def fill_page_tables(tensors: dict[str, torch.Tensor]) -> None:
-    """Maps every page of the memory `tensors` view into this process's page tables ahead
-    of its first read, letting go of the GIL (a kernel before 5.14: does nothing)."""
-    page = mmap.PAGESIZE
-    for storage in {t.untyped_storage().data_ptr(): t.untyped_storage()
-                    for t in tensors.values()}.values():
-        start = storage.data_ptr() // page * page
-        try:
-            _madvise(start, storage.data_ptr() + storage.nbytes() - start,
-                     _MADV_POPULATE_READ)
-        except OSError:  # the kernel does not know the advice: the faults stay lazy
-            return
 
 
 def write_mapped(mapping: mmap.mmap, chunks: list, pin: HostPin | None = None) -> None:
@@ -716,16 +667,19 @@ def view_sealed(fd: int) -> tuple[wire.Header, dict] | None:
     return None if mapped is None else view_mapped(mapped)
 
 
-def map_read_only(fd: int) -> mmap.mmap | None:
-    """A sealed file mapped shared and read-only (None when it is not sealed)."""
+def map_read_only(fd: int):
+    """A sealed file mapped shared and read-only, at a huge page's boundary (None when it is
+    not sealed): see `pages.map_read_only`."""
     if not is_sealed(fd):
         return None
-    return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return pages.map_read_only(fd, os.fstat(fd).st_size)
 
 
-def view_mapped(mapped: mmap.mmap) -> tuple[wire.Header, dict]:
-    """The header of a mapped safetensors file, checked, and tensors viewing it."""
-    header = wire.parse_header(mapped[:wire.header_length(mapped[:8])], len(mapped))
+def view_mapped(mapped) -> tuple[wire.Header, dict]:
+    """The header of a mapped safetensors file (`map_read_only`), checked, and tensors
+    viewing it."""
+    header = wire.parse_header(bytes(mapped[:wire.header_length(bytes(mapped[:8]))]),
+                               len(mapped))
     with warnings.catch_warnings():  # torch warns that the memory is not writable: intended
         warnings.simplefilter("ignore", UserWarning)
         return header, wire.view_tensors(mapped, header)
