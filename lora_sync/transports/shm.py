@@ -430,12 +430,10 @@ def write_lease(lease: Lease, chunks: list) -> int | None:
     """Writes the safetensors file (`chunks`: header bytes, then tensors) into a lease just
     granted; returns a read-only descriptor of it, or None when it is not reachable from
     here (the caller falls back to HTTP). Host memory goes in with `pwritev`, straight from
-    the tensors, into huge pages given first (filling a mapping's page tables costs about
-    what the copy does; 70 MB: 27 ms into small pages the write allocates, 15 in all with
-    the huge pages); tensors on a GPU are copied device to host into a mapping of the lease."""
+    the tensors (filling a mapping's page tables costs about what the copy does); tensors on
+    a GPU are copied device to host into a mapping of the lease."""
     if not any(on_device(c) for c in chunks):
-        written = _with_lease(lease, lambda fd: (pages.give_huge_pages(fd, lease.nbytes),
-                                                 _pwrite_all(fd, chunks)))
+        written = _with_lease(lease, lambda fd: _pwrite_all(fd, chunks))
         return None if written is None else written[1]
     mapped = map_lease(lease)
     if mapped is None:
