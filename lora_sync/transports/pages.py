@@ -32,11 +32,12 @@ _LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-def map_filled(fd: int, nbytes: int) -> mmap.mmap:
-    """A shared writable mapping of a lease just granted, in huge pages where the kernel
-    gives them (`give_huge_pages`), its pages allocated and page tables filled. 70 MB: 17 ms
-    in huge pages (which Python's mapping, at any address, maps in batches), 40 in small."""
-    give_huge_pages(fd, nbytes)
+def map_filled(fd: int, nbytes: int, huge_pages: bool = False) -> mmap.mmap:
+    """A shared writable mapping of a lease just granted, its pages allocated and page
+    tables filled; `huge_pages`: in huge pages where the kernel gives them
+    (`give_huge_pages`), which Python's mapping, at any address, maps in batches."""
+    if huge_pages:
+        give_huge_pages(fd, nbytes)
     mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     try:
         advise(mapping, mmap.MADV_HUGEPAGE)  # the tail too, where the operator allows it
@@ -51,7 +52,13 @@ def give_huge_pages(fd: int, nbytes: int) -> bool:
     """Backs the whole 2 MiB blocks of the first `nbytes` of a memfd (open read-write, at
     least that long) with huge pages, its bytes unchanged (new ones are zero, as in any new
     page). False where the kernel would not (before 6.1, `deny`, no huge page to be had):
-    the file then fills with small pages as before. About 5 ms for 70 MB; no mapping stays."""
+    the file then fills with small pages as before. No mapping stays.
+
+    What it costs depends on where the huge pages come from. 70 MB on this VM: 5-7 ms, plus
+    12 to fill a mapping of it (40 in small pages), while memory freed in the last seconds
+    is at hand; 80-200 ms after a few idle seconds, once the guest has handed free 2 MiB
+    blocks back to the host (KVM free page reporting) and the host must back them again.
+    So it is done only off the push's path, for a lease readied ahead."""
     span = nbytes // HUGE_PAGE * HUGE_PAGE
     if span == 0:
         return False

@@ -137,7 +137,7 @@ class ReadyLeases:
             log.debug("no lease readied on %s: %s", server.url, e)
             return None
         try:
-            mapped = map_lease(lease)
+            mapped = map_lease(lease, huge_pages=True)  # off the push's path
         except OSError as e:  # out of memory or address space
             log.warning("could not map a lease of %d bytes from %s: %s", nbytes,
                         server.url, e)

@@ -316,11 +316,12 @@ def reopen_read_only(fd: int) -> int:
     return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
-def map_lease(lease: Lease) -> tuple[mmap.mmap, int] | None:
+def map_lease(lease: Lease, huge_pages: bool = False) -> tuple[mmap.mmap, int] | None:
     """The lease mapped shared and writable, its page tables filled now, and a read-only
     descriptor of it (None: unreachable). Filling the page tables is most of a write's cost:
-    done ahead of a push, the push only copies."""
-    return _with_lease(lease, lambda fd: pages.map_filled(fd, lease.nbytes))
+    done ahead of a push, the push only copies. `huge_pages`: in huge pages first, for a
+    lease readied off the push's path (see `pages.give_huge_pages` for what they cost)."""
+    return _with_lease(lease, lambda fd: pages.map_filled(fd, lease.nbytes, huge_pages))
 
 
 def _with_lease(lease: Lease, use) -> tuple | None:
