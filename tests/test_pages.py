@@ -169,3 +169,19 @@ def test_only_a_lease_readied_ahead_gets_huge_pages(make_fake_server):
                 del mapped
         finally:
             os.close(read_fd)
+
+
+def test_lengths_share_a_mapping_type_per_huge_page():
+    """What a client's choice of lease length can make a worker keep: one mapping type per
+    2 MiB multiple (ctypes keeps every array type it makes), not one per length."""
+    fd, _ = memfd_with(2 * HUGE, [])
+    try:
+        before = pages._mapping_type.cache_info().currsize
+        for n in (1, 4097, HUGE - 1, HUGE, HUGE + 1, 2 * HUGE - 3, 2 * HUGE):
+            mapped = pages.map_read_only(fd, n)
+            assert len(mapped) == n
+            del mapped
+        assert pages._mapping_type.cache_info().currsize - before <= 2
+        assert our_mappings() == []
+    finally:
+        os.close(fd)

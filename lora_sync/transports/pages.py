@@ -14,6 +14,7 @@ need one are made through libc inside a reservation one huge page larger."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 
@@ -79,32 +80,38 @@ def give_huge_pages(fd: int, nbytes: int) -> bool:
         _LIBC.munmap(reserved, span + HUGE_PAGE)  # the file's mapping inside it too
 
 
-def map_read_only(fd: int, nbytes: int):
+def map_read_only(fd: int, nbytes: int) -> memoryview:
     """A file mapped shared and read-only at a 2 MiB boundary, where each huge page of it
     maps in one fault (Python's mmap, at any address, maps a few small pages per fault: 70
-    MB read 0.9 ms slower). A read-only memoryview; the mapping goes once nothing views it
-    any more. OSError where it cannot be mapped."""
+    MB read 0.9 ms slower). A read-only memoryview of `nbytes`; the mapping goes once
+    nothing views it any more. OSError where it cannot be mapped."""
     if nbytes <= 0:
         raise ValueError("cannot map an empty file")
-    reserved = _reserve(nbytes)
+    # Mapped in whole huge pages (past the end of the file nothing is ever read): the types
+    # below are made once per length, so lengths must come from a bounded set.
+    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    reserved = _reserve(span)
     if reserved is None:
         raise _last_error()
     start = _aligned(reserved)
-    if _LIBC.mmap(start, nbytes, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != start:
+    if _LIBC.mmap(start, span, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != start:
         error = _last_error()
-        _LIBC.munmap(reserved, nbytes + HUGE_PAGE)
+        _LIBC.munmap(reserved, span + HUGE_PAGE)
         raise error
     # give back the reservation's head and tail, keeping the file's mapping alone
-    end = -(-(start + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
     if start > reserved:
         _LIBC.munmap(reserved, start - reserved)
-    if reserved + nbytes + HUGE_PAGE > end:
-        _LIBC.munmap(end, reserved + nbytes + HUGE_PAGE - end)
+    if reserved + HUGE_PAGE > start:
+        _LIBC.munmap(start + span, reserved + HUGE_PAGE - start)
     # a ctypes array owns the mapping (it unmaps on its last reference, which every view
     # and every tensor viewing them holds); Python-level writes raise, a torch write faults
-    array = type("ReadOnlyMapping", (ctypes.c_ubyte * nbytes,),
-                 {"__del__": _unmap_array}).from_address(start)
-    return memoryview(array).cast("B").toreadonly()
+    array = _mapping_type(span).from_address(start)
+    return memoryview(array).cast("B")[:nbytes].toreadonly()
+
+
+@functools.lru_cache(maxsize=None)  # one per 2 MiB multiple up to the largest lease
+def _mapping_type(span: int) -> type:
+    return type("ReadOnlyMapping", (ctypes.c_ubyte * span,), {"__del__": _unmap_array})
 
 
 def _unmap_array(array) -> None:
