@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,17 @@ from .conftest import API_KEY, REPO
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 PROMPT = "the quick brown"
+
+
+def smaps_kb(address: int, field: str) -> int:
+    """A field of /proc/self/smaps (Rss, ShmemPmdMapped, ...) for the mapping holding
+    `address`, in kB."""
+    with open("/proc/self/smaps") as f:
+        for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", f.read()):
+            lo, hi = (int(x, 16) for x in block.split()[0].split("-"))
+            if lo <= address < hi:
+                return int(re.search(rf"^{field}:\s+(\d+) kB", block, re.M).group(1))
+    raise AssertionError("the mapping is not in smaps")
 
 
 def versions_of(client, name: str) -> list[int]:

@@ -1,7 +1,6 @@
 """Unit tests of the engine-agnostic core (no server)."""
 import json
 import os
-import re
 
 import pytest
 from hypothesis import given, settings
@@ -643,17 +642,10 @@ def test_filling_page_tables_maps_a_sealed_lease_ahead_of_its_first_read():
     _, tensors = shm.map_sealed(f"/proc/{os.getpid()}/fd/{fd}")
     start = tensors["w"].untyped_storage().data_ptr()
 
-    def resident_kb() -> int:  # this mapping's pages present in our page tables
-        with open("/proc/self/smaps") as f:
-            text = f.read()
-        for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
-            lo, hi = (int(x, 16) for x in block.split()[0].split("-"))
-            if lo <= start < hi:
-                return int(re.search(r"^Rss:\s+(\d+) kB", block, re.M).group(1))
-        raise AssertionError("the mapping is not in smaps")
-    assert resident_kb() < 1024  # nothing read yet
+    from .helpers import smaps_kb
+    assert smaps_kb(start, "Rss") < 1024  # nothing read yet: no page in our page tables
     pages.fill_page_tables(tensors)
-    assert resident_kb() >= nbytes // 1024
+    assert smaps_kb(start, "Rss") >= nbytes // 1024
     os.close(fd)
 
 

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from lora_sync.transports import pages
 
+from .helpers import smaps_kb
+
 HUGE = pages.HUGE_PAGE
 NAME = "lora-sync-pages-test"
 
@@ -30,16 +32,6 @@ def collapse_possible() -> bool:
 def our_mappings() -> list[str]:
     with open("/proc/self/maps") as f:
         return [line for line in f if NAME in line]
-
-
-def pmd_mapped_kb(address: int) -> int:
-    """ShmemPmdMapped of the mapping holding `address`: its bytes mapped as huge pages."""
-    with open("/proc/self/smaps") as f:
-        for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", f.read()):
-            lo, hi = (int(x, 16) for x in block.split()[0].split("-"))
-            if lo <= address < hi:
-                return int(re.search(r"^ShmemPmdMapped:\s+(\d+) kB", block, re.M).group(1))
-    raise AssertionError("no such mapping")
 
 
 def memfd_with(nbytes: int, writes: list[tuple[int, bytes]]) -> tuple[int, bytearray]:
@@ -92,7 +84,7 @@ def test_a_lease_gets_huge_pages_whatever_the_shmem_setting():
         address = torch.frombuffer(mapped, dtype=torch.uint8).data_ptr()
         assert address % HUGE == 0
         assert bytes(mapped[::4096]) == bytes(len(range(0, nbytes, 4096)))  # touch each page
-        assert pmd_mapped_kb(address) == 3 * HUGE // 1024
+        assert smaps_kb(address, "ShmemPmdMapped") == 3 * HUGE // 1024
     finally:
         os.close(fd)
     small, _ = memfd_with(HUGE - 1, [])
@@ -165,7 +157,7 @@ def test_only_a_lease_readied_ahead_gets_huge_pages(make_fake_server):
                 mapped = pages.map_read_only(fd, nbytes)
                 bytes(mapped[::4096])  # one read per page maps them all
                 address = torch.frombuffer(mapped, dtype=torch.uint8).data_ptr()
-                assert pmd_mapped_kb(address) == huge_kb
+                assert smaps_kb(address, "ShmemPmdMapped") == huge_kb
                 del mapped
         finally:
             os.close(read_fd)

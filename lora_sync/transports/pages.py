@@ -10,7 +10,7 @@ Linux gives shared memory huge pages only where the operator allows it
 (`transparent_hugepage/shmem_enabled`, `never` by default), but `MADV_COLLAPSE` (Linux 6.1)
 turns a mapped range into huge pages regardless: only `deny` forbids it. It needs the range
 mapped at a 2 MiB boundary, which Python's mmap cannot ask for, so the mappings here that
-need one are made through libc inside a reservation one huge page larger."""
+need one are made through libc (`_map_at_boundary`)."""
 from __future__ import annotations
 
 import ctypes
@@ -61,23 +61,17 @@ def give_huge_pages(fd: int, nbytes: int) -> bool:
     blocks back to the host (KVM free page reporting) and the host must back them again.
     So it is done only off the push's path, for a lease readied ahead."""
     span = nbytes // HUGE_PAGE * HUGE_PAGE
-    if span == 0:
-        return False
-    reserved = _reserve(span)
-    if reserved is None:
+    start = _map_at_boundary(fd, span, mmap.PROT_READ | mmap.PROT_WRITE) if span else None
+    if start is None:
         return False
     try:
-        start = _aligned(reserved)
-        if _LIBC.mmap(start, span, mmap.PROT_READ | mmap.PROT_WRITE,
-                      mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != start:
-            return False
         # MADV_COLLAPSE wants a page of each block present (it fails on an empty range)
         for offset in range(0, span, HUGE_PAGE):
             if _LIBC.madvise(start + offset, mmap.PAGESIZE, _MADV_POPULATE_WRITE) != 0:
                 return False
         return _LIBC.madvise(start, span, _MADV_COLLAPSE) == 0
     finally:
-        _LIBC.munmap(reserved, span + HUGE_PAGE)  # the file's mapping inside it too
+        _LIBC.munmap(start, span)
 
 
 def map_read_only(fd: int, nbytes: int) -> memoryview:
@@ -90,19 +84,9 @@ def map_read_only(fd: int, nbytes: int) -> memoryview:
     # Mapped in whole huge pages (past the end of the file nothing is ever read): the types
     # below are made once per length, so lengths must come from a bounded set.
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    reserved = _reserve(span)
-    if reserved is None:
+    start = _map_at_boundary(fd, span, mmap.PROT_READ)
+    if start is None:
         raise _last_error()
-    start = _aligned(reserved)
-    if _LIBC.mmap(start, span, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != start:
-        error = _last_error()
-        _LIBC.munmap(reserved, span + HUGE_PAGE)
-        raise error
-    # give back the reservation's head and tail, keeping the file's mapping alone
-    if start > reserved:
-        _LIBC.munmap(reserved, start - reserved)
-    if reserved + HUGE_PAGE > start:
-        _LIBC.munmap(start + span, reserved + HUGE_PAGE - start)
     # a ctypes array owns the mapping (it unmaps on its last reference, which every view
     # and every tensor viewing them holds); Python-level writes raise, a torch write faults
     array = _mapping_type(span).from_address(start)
@@ -118,15 +102,23 @@ def _unmap_array(array) -> None:
     _LIBC.munmap(ctypes.addressof(array), ctypes.sizeof(array))
 
 
-def _reserve(nbytes: int) -> int | None:
-    """Address space for `nbytes` at a huge page's boundary: one huge page more, no access."""
-    reserved = _LIBC.mmap(None, nbytes + HUGE_PAGE, _PROT_NONE,
+def _map_at_boundary(fd: int, span: int, prot: int) -> int | None:
+    """Maps `span` bytes of the file, shared, at a 2 MiB boundary (None: errno says why):
+    inside a reservation one huge page larger, whose unused ends are then given back."""
+    reserved = _LIBC.mmap(None, span + HUGE_PAGE, _PROT_NONE,
                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    return None if reserved in (None, _MAP_FAILED) else reserved
-
-
-def _aligned(address: int) -> int:
-    return -(-address // HUGE_PAGE) * HUGE_PAGE
+    if reserved in (None, _MAP_FAILED):
+        return None
+    start = -(-reserved // HUGE_PAGE) * HUGE_PAGE
+    if _LIBC.mmap(start, span, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != start:
+        err = ctypes.get_errno()
+        _LIBC.munmap(reserved, span + HUGE_PAGE)
+        ctypes.set_errno(err)
+        return None
+    if start > reserved:
+        _LIBC.munmap(reserved, start - reserved)
+    _LIBC.munmap(start + span, reserved + HUGE_PAGE - start)  # start < reserved + 2 MiB
+    return start
 
 
 def advise(mapping: mmap.mmap, advice: int) -> None:
@@ -158,6 +150,7 @@ def fill_page_tables(tensors: dict[str, torch.Tensor]) -> None:
                     for t in tensors.values()}.values():
         start = storage.data_ptr() // page * page
         try:
-            madvise(start, storage.data_ptr() + storage.nbytes() - start, _MADV_POPULATE_READ)
+            madvise(start, storage.data_ptr() + storage.nbytes() - start,
+                    _MADV_POPULATE_READ)
         except OSError:  # the kernel does not know the advice: the faults stay lazy
             return
