@@ -34,3 +34,21 @@ def test_adapter_survives_lru_eviction(vllm, make_adapter):
     assert lru0_id not in info["worker_status"][0]["cached_ids"], "lru0 was not evicted"
     assert greedy(client, "lru0") == first
 
+
+
+def test_a_large_body_is_read_from_the_socket(client, make_adapter, workdir):
+    """On both engines our route gets uvicorn's own receive (admission is the outermost
+    middleware), so a body larger than uvicorn reads ahead (1 MiB here) is read from the
+    socket (server/socket_body.py), which the reply shows by closing the connection; the
+    version serves exactly like the same adapter loaded from disk."""
+    adapter = make_adapter(seed=12, rank=64)
+    assert adapter.nbytes >= 1 << 20
+    status, raw, headers = http.exchange(
+        "POST", client.servers[0].route("load_lora_adapter_from_tensors"),
+        chunks=adapter.encode("sock64", 1),
+        headers={**AUTH, "Content-Type": "application/octet-stream"})
+    assert status == 200, raw[:300]
+    assert {k.lower(): v for k, v in headers.items()}.get("connection") == "close"
+    adapter.save(workdir / "disk-sock64")
+    client.load_from_disk(str(workdir / "disk-sock64"), "disk-sock64")
+    assert greedy(client, "sock64-v1") == greedy(client, disk_model(client, "disk-sock64"))

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 from ..errors import BadAdapter, LoRASyncError, NotFound, PayloadTooLarge
+from .socket_body import RAW_RECEIVE
 
 # The request header SageMaker routes read the adapter from (vLLM's /invocations).
 SAGEMAKER_ADAPTER_HEADER = b"x-amzn-sagemaker-adapter-identifier"
@@ -62,9 +63,10 @@ class AdmissionMiddleware:
         self.also_set = also_set        # fields to set when `model` names ours (SGLang)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") not in BODY_METHODS \
-                or scope.get("path") in self.own_paths:
+        if scope["type"] != "http" or scope.get("method") not in BODY_METHODS:
             return await self.app(scope, receive, send)
+        if scope.get("path") in self.own_paths:  # uvicorn's receive, for a socket body
+            return await self.app({**scope, RAW_RECEIVE: receive}, receive, send)
         service = getattr(scope["app"].state, "lora_sync", None)
         if service is None:  # the server is still starting
             return await self.app(scope, receive, send)

@@ -15,6 +15,7 @@ from ..transports import TRANSPORTS
 from ..transports.base import RawBody, Transport
 from . import metrics
 from .service import AdapterService
+from .socket_body import RAW_RECEIVE, BodyChunks
 
 logger = logging.getLogger("lora_sync")
 RETIRE_ROUTE = "/retire_lora_adapter"
@@ -89,7 +90,11 @@ def build_router(prefix: str = "") -> APIRouter:
         length = request.headers.get("content-length")
         if length is not None and not (length.isascii() and length.isdigit()):
             raise BadAdapter("Content-Length must be a decimal integer", code="bad_request")
-        return RawBody(request.stream(), int(length) if length else None)
+        length = int(length) if length else None
+        if not service.settings.socket_body:
+            return RawBody(request.stream(), length)
+        return RawBody(BodyChunks(request.scope.get(RAW_RECEIVE), length, request.stream()),
+                       length)
 
     async def read_json(request: Request, service: AdapterService) -> dict:
         return await _json(request, service.settings.max_request_bytes)

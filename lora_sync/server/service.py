@@ -20,6 +20,7 @@ from ..transports import TRANSPORTS
 from ..transports.base import RawBody, ServerContext, Staged, Transport
 from . import metrics
 from .bridge import EngineBridge
+from .socket_body import check as check_socket_body
 
 # How often a drained version asks the engine whether a request still uses it.
 DRAIN_POLL_S = 0.05
@@ -45,6 +46,7 @@ class Settings:
     allowed_trainers: tuple = ("127.0.0.0/8", "::1/128")
     max_groups: int = 8
     lease_ttl_s: float = 30.0        # an shm lease not committed by then is freed
+    socket_body: bool = True         # read pushed bodies from the socket (socket_body.py)
 
     @classmethod
     def from_env(cls, engine_has_key: bool = False,
@@ -61,6 +63,9 @@ class Settings:
                 raise RuntimeError(f"lora-sync setting {var}={raw!r} must be a number >= {lo}")
             return value
         mb = 2 ** 20
+        socket_body = os.environ.get("LORA_SYNC_SOCKET_BODY", "1") != "0"
+        if socket_body:
+            check_socket_body()  # fails at start-up on a uvicorn we did not check
         trainers = os.environ.get("LORA_SYNC_ALLOWED_TRAINERS")
         allowed = tuple(t.strip() for t in trainers.split(",") if t.strip()) if trainers \
             else cls.allowed_trainers
@@ -81,7 +86,8 @@ class Settings:
             min_body_rate=num("LORA_SYNC_MIN_BODY_MBPS", 1.0) * mb,
             max_request_bytes=int(num("LORA_SYNC_MAX_REQUEST_MB", 32) * mb),
             allowed_trainers=allowed,
-            lease_ttl_s=num("LORA_SYNC_LEASE_TTL_S", cls.lease_ttl_s))
+            lease_ttl_s=num("LORA_SYNC_LEASE_TTL_S", cls.lease_ttl_s),
+            socket_body=socket_body)
 
     @property
     def body_limits(self) -> BodyLimits:
