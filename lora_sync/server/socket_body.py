@@ -29,14 +29,26 @@ READ_SIZE = 4 << 20
 RAW_RECEIVE = "lora_sync.raw_receive"
 
 
+def _httptools_request():
+    """uvicorn's request class under httptools, or None without httptools (then uvicorn
+    parses with h11 and every body goes through it)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+    except ImportError:
+        return None
+    return RequestResponseCycle
+
+
 def check() -> None:
     """Start-up: fails loudly where uvicorn is a version whose internals were not checked."""
     import uvicorn
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+    request = _httptools_request()
+    if request is None:
+        return
     names = ("flow", "transport", "body", "more_body", "keep_alive", "disconnected",
              "response_complete")
-    missing = [n for n in names if n not in RequestResponseCycle.__init__.__code__.co_names]
+    missing = [n for n in names if n not in request.__init__.__code__.co_names]
     if uvicorn.__version__ not in KNOWN_UVICORN or missing:
         raise RuntimeError(
             f"lora-sync reads pushed bodies from the socket past uvicorn's internals, checked "
@@ -79,10 +91,9 @@ class BodyChunks:
 
 
 def _takeable(cycle) -> bool:
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
     from uvicorn.protocols.utils import is_ssl
 
-    return type(cycle) is RequestResponseCycle and cycle.more_body \
+    return cycle is not None and type(cycle) is _httptools_request() and cycle.more_body \
         and not cycle.disconnected and not cycle.response_complete \
         and not is_ssl(cycle.transport) and cycle.transport.get_extra_info("socket") is not None
 
