@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import torch
 
@@ -31,6 +32,13 @@ def smaps_kb(address: int, field: str) -> int:
             if lo <= address < hi:
                 return int(re.search(rf"^{field}:\s+(\d+) kB", block, re.M).group(1))
     raise AssertionError("the mapping is not in smaps")
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
+        time.sleep(0.01)
 
 
 def versions_of(client, name: str) -> list[int]:

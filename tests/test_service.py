@@ -35,7 +35,7 @@ from lora_sync.transports import shm
 from .conftest import SERVER_ENV
 from .engine_fakes import BASE_TEXT, text_of, tiny_model_spec, weights_digest
 from .helpers import (AUTH, PROMPT, Background, bad_bodies, blackhole, body_of, greedy,
-                      post_body, try_to_take_a_group, versions_of)
+                      post_body, try_to_take_a_group, versions_of, wait_until)
 
 KEEP = int(SERVER_ENV["LORA_SYNC_KEEP_VERSIONS"])
 MAX_BODY = int(float(SERVER_ENV["LORA_SYNC_MAX_BODY_MB"]) * 2 ** 20)
@@ -71,13 +71,6 @@ def held_versions(client, name: str) -> list[int]:
 def adapter_ids(client, name: str) -> set[int]:
     entry = listing(client, name)
     return {v["adapter_id"] for v in entry["versions"]} if entry else set()
-
-
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
-        time.sleep(0.01)
 
 
 def wait_drained(client, name: str) -> None:

@@ -20,6 +20,8 @@ from starlette.requests import ClientDisconnect
 from lora_sync.server import socket_body
 from lora_sync.server.service import Settings
 
+from .helpers import wait_until
+
 MB = 1 << 20
 
 
@@ -179,7 +181,7 @@ def test_bodies_arrive_exactly_or_not_at_all(server, plans, seed):
                 reply = _until_closed(conn)
             except ConnectionResetError:  # closed with our pipelined bytes unread
                 reply = b"<reset>"
-        _wait(lambda: len(app.seen) > before, "the body's record")
+        wait_until(lambda: len(app.seen) > before, what="the body's record")
         record = app.seen[before]
         if how == "vanish":
             assert record["status"] == 400 and record["n"] <= size  # never taken as whole
@@ -196,14 +198,7 @@ def test_bodies_arrive_exactly_or_not_at_all(server, plans, seed):
         else:
             assert reply.count(b"HTTP/1.1 200") == 1 + (how == "pipelined")
             assert b"connection: close" not in reply and not reply.endswith(b"<closed>")
-    _wait(lambda: _open_fds() <= fds, f"descriptors back to {fds}")
-
-
-def _wait(condition, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+    wait_until(lambda: _open_fds() <= fds, what=f"descriptors back to {fds}")
 
 
 def test_a_stalled_body_on_the_socket_is_cut_by_the_callers_timeout(server):
@@ -218,7 +213,7 @@ def test_a_stalled_body_on_the_socket_is_cut_by_the_callers_timeout(server):
         headers, reply, after = _read_reply(conn)
     assert app.timeouts == timeouts + 1 and reply["via"] == "socket"
     assert headers[b"connection"] == b"close" and after == b"<closed>"
-    _wait(lambda: _open_fds() <= fds, "the stalled body's descriptors")
+    wait_until(lambda: _open_fds() <= fds, what="the stalled body's descriptors")
 
 
 def test_an_unchecked_uvicorn_fails_at_start_up(monkeypatch):

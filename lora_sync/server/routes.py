@@ -91,10 +91,10 @@ def build_router(prefix: str = "") -> APIRouter:
         if length is not None and not (length.isascii() and length.isdigit()):
             raise BadAdapter("Content-Length must be a decimal integer", code="bad_request")
         length = int(length) if length else None
-        if not service.settings.socket_body:
-            return RawBody(request.stream(), length)
-        return RawBody(BodyChunks(request.scope.get(RAW_RECEIVE), length, request.stream()),
-                       length)
+        chunks = request.stream()
+        if service.settings.socket_body:  # from the socket where it can (socket_body.py)
+            chunks = BodyChunks(request.scope.get(RAW_RECEIVE), length, chunks)
+        return RawBody(chunks, length)
 
     async def read_json(request: Request, service: AdapterService) -> dict:
         return await _json(request, service.settings.max_request_bytes)

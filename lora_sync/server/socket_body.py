@@ -17,6 +17,7 @@ after the reply (the reply says `Connection: close`)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 
@@ -29,6 +30,7 @@ READ_SIZE = 4 << 20
 RAW_RECEIVE = "lora_sync.raw_receive"
 
 
+@functools.lru_cache(maxsize=1)  # looked up at every push
 def _httptools_request():
     """uvicorn's request class under httptools, or None without httptools (then uvicorn
     parses with h11 and every body goes through it)."""
@@ -82,12 +84,27 @@ class BodyChunks:
         cycle.flow.pause_reading()
         cycle.keep_alive = False
         self.taken = True
-        head, cycle.body = bytes(cycle.body), bytearray()
+        head, cycle.body = cycle.body, bytearray()  # what uvicorn parsed already
         if head:
             yield head
-        fileno = cycle.transport.get_extra_info("socket").fileno()
-        async for chunk in _read(fileno, self.length - len(head)):
-            yield chunk
+        left = self.length - len(head)
+        # A socket object of our own on a duplicate descriptor: closing it leaves uvicorn's.
+        sock = socket.socket(fileno=os.dup(cycle.transport.get_extra_info("socket").fileno()))
+        try:
+            sock.setblocking(False)
+            buf = memoryview(bytearray(min(READ_SIZE, max(left, 1))))
+            loop = asyncio.get_running_loop()
+            while left > 0:
+                try:
+                    n = await loop.sock_recv_into(sock, buf[:min(left, len(buf))])
+                except ConnectionError:
+                    n = 0
+                if n == 0:
+                    raise ClientDisconnect()
+                left -= n
+                yield buf[:n]
+        finally:
+            sock.close()
 
 
 def _takeable(cycle) -> bool:
@@ -96,23 +113,3 @@ def _takeable(cycle) -> bool:
     return cycle is not None and type(cycle) is _httptools_request() and cycle.more_body \
         and not cycle.disconnected and not cycle.response_complete \
         and not is_ssl(cycle.transport) and cycle.transport.get_extra_info("socket") is not None
-
-
-async def _read(fileno: int, left: int):
-    # A socket object of our own on a duplicate descriptor: closing it leaves uvicorn's.
-    sock = socket.socket(fileno=os.dup(fileno))
-    try:
-        sock.setblocking(False)
-        buf = memoryview(bytearray(min(READ_SIZE, max(left, 1))))
-        loop = asyncio.get_running_loop()
-        while left > 0:
-            try:
-                n = await loop.sock_recv_into(sock, buf[:min(left, len(buf))])
-            except ConnectionError:
-                n = 0
-            if n == 0:
-                raise ClientDisconnect()
-            left -= n
-            yield buf[:n]
-    finally:
-        sock.close()
