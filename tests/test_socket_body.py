@@ -223,3 +223,7 @@ def test_an_unchecked_uvicorn_fails_at_start_up(monkeypatch):
         Settings.from_env()
     monkeypatch.setenv("LORA_SYNC_SOCKET_BODY", "0")
     assert Settings.from_env().socket_body is False
+    for bad in ("false", "yes", " 1"):  # a malformed value stops the server, as any setting
+        monkeypatch.setenv("LORA_SYNC_SOCKET_BODY", bad)
+        with pytest.raises(RuntimeError, match="LORA_SYNC_SOCKET_BODY"):
+            Settings.from_env()

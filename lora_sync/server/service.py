@@ -63,7 +63,11 @@ class Settings:
                 raise RuntimeError(f"lora-sync setting {var}={raw!r} must be a number >= {lo}")
             return value
         mb = 2 ** 20
-        socket_body = os.environ.get("LORA_SYNC_SOCKET_BODY", "1") != "0"
+        socket_body = os.environ.get("LORA_SYNC_SOCKET_BODY") or "1"
+        if socket_body not in ("0", "1"):
+            raise RuntimeError(f"lora-sync setting LORA_SYNC_SOCKET_BODY={socket_body!r} "
+                               "must be 0 or 1")
+        socket_body = socket_body == "1"
         if socket_body:
             check_socket_body()  # fails at start-up on a uvicorn we did not check
         trainers = os.environ.get("LORA_SYNC_ALLOWED_TRAINERS")
