@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -212,6 +213,15 @@ def view_tensors(buf, header: Header, data_only: bool = False) -> dict[str, torc
                                               dtype.itemsize, offset=base + begin
                                               ).view(spec.shape)
     return out
+
+
+def view_mapped(mapped) -> tuple[Header, dict[str, torch.Tensor]]:
+    """The header of a safetensors file mapped read-only (`pages.map_read_only`), checked,
+    and tensors viewing the mapping."""
+    header = parse_header(bytes(mapped[:header_length(bytes(mapped[:8]))]), len(mapped))
+    with warnings.catch_warnings():  # torch warns that the memory is not writable: intended
+        warnings.simplefilter("ignore", UserWarning)
+        return header, view_tensors(mapped, header)
 
 
 def join_adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:

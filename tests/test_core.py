@@ -203,7 +203,7 @@ def test_filling_a_lease_lets_the_trainers_other_threads_run():
     it for 215 ms). 512 MB take tens of ms to fill; the main thread ticks every ms."""
     import threading
     import time
-    from lora_sync.transports import pages
+    from lora_sync import pages
     nbytes = 512 << 20
     fd = os.memfd_create("lora-sync-test")
     os.ftruncate(fd, nbytes)
@@ -634,7 +634,8 @@ def test_filling_page_tables_maps_a_sealed_lease_ahead_of_its_first_read():
     import fcntl
     import os
 
-    from lora_sync.transports import pages, shm
+    from lora_sync import pages
+    from lora_sync.transports import shm
     nbytes = 8 << 20
     fd = os.memfd_create("lora-sync-test", os.MFD_ALLOW_SEALING)
     os.write(fd, wire.encode_bytes({"w": torch.ones(nbytes // 4)}, {"lora_name": "x"}))

@@ -1,4 +1,4 @@
-"""lora_sync.transports.pages in process: a lease's huge pages and aligned read-only mappings.
+"""lora_sync.pages in process: a lease's huge pages and aligned read-only mappings.
 
 The rules: giving a memfd huge pages never changes a byte of it and leaves no mapping
 behind; a read-only mapping shows the file's bytes, refuses writes, and is gone once nothing
@@ -14,7 +14,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lora_sync.transports import pages
+from lora_sync import pages
 
 from .helpers import smaps_kb
 

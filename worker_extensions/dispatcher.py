@@ -13,7 +13,7 @@ from lora_sync.errors import BadAdapter
 from lora_sync.messages import IntakeRequest, WorkerReply
 from lora_sync.notices import write_notice
 from lora_sync.transports import TRANSPORTS
-from lora_sync.transports.pages import fill_page_tables
+from lora_sync.pages import fill_page_tables
 
 from .receiver import StoredAdapter, WorkerState, check_intake, engine_refusal
 
@@ -23,7 +23,7 @@ class WorkerEngine(ABC):
 
     # True when the engine never writes the tensors `build` gets (its in-place steps are
     # done into buffers of its own): then they may view read-only memory, and a sealed shm
-    # lease is mapped instead of copied. A write there would kill the worker, so only an
+    # lease or a staged HTTP body is mapped read-only, shared by every worker. A write there would kill the worker, so only an
     # engine whose every step on them is known says so.
     maps_read_only: bool = False
     # True when the engine first reads an adapter's tensors when a request first uses it
@@ -58,7 +58,7 @@ class WorkerEngine(ABC):
 class LoRASyncWorker:
     def __init__(self, engine: WorkerEngine):
         self.engine = engine
-        self.state = WorkerState(map_sealed=engine.maps_read_only)
+        self.state = WorkerState(maps_read_only=engine.maps_read_only)
         self._background_locks: dict[str, threading.Lock] = {}
         self.ops = {"info": self.info, "intake": self.intake, "register": self.register,
                     "free": self.free, "init_group": self.init_group,
@@ -86,7 +86,7 @@ class LoRASyncWorker:
         transport = TRANSPORTS.get(intake.transport)
         if transport is None:
             raise BadAdapter(f"unknown transport {intake.transport!r}", code="bad_request")
-        rank, self.state.world_size = self.engine.rank()
+        rank, _ = self.engine.rank()
 
         def work() -> dict:
             t0 = time.perf_counter()

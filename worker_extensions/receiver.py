@@ -41,10 +41,9 @@ class WorkerState:
     spare: list[torch.Tensor] = field(default_factory=list)
     # A busy version is freed when its last request ends, maybe while a receive runs.
     spare_lock: threading.Lock = field(default_factory=threading.Lock)
-    world_size: int = 1  # workers of this server (a body with one reader is mapped shared)
     # The engine never writes the tensors it is given (WorkerEngine.maps_read_only): a
-    # sealed lease is then mapped read-only instead of copied.
-    map_sealed: bool = False
+    # sealed lease or a staged body is then mapped read-only instead of copied.
+    maps_read_only: bool = False
 
     def take_buffer(self, dtype: torch.dtype, numel: int, device: str) -> torch.Tensor:
         """A buffer to receive into: the spare of that shape if there is one."""

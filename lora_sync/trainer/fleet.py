@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from .. import wire
 from ..adapter import LoRAAdapter
-from ..transports.shm import view_mapped
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Newest:
         """A copy of its own, for a resync (which may outlive the buffer behind `flat`);
         a sealed lease is viewed as it is: nobody can change it."""
         if self.sealed is not None:
-            return Newest(self.version, LoRAAdapter(view_mapped(self.sealed)[1],
+            return Newest(self.version, LoRAAdapter(wire.view_mapped(self.sealed)[1],
                                                     dict(self.config)))
         return Newest(self.version, LoRAAdapter(
             {k: t.clone() for k, t in self.adapter.tensors.items()}, dict(self.adapter.config)))

@@ -193,7 +193,8 @@ class Received:
     tensors: dict
     nbytes: int
     buffers: list = field(default_factory=list)
-    read_only: bool = False  # the tensors view memory nobody may write (a sealed lease)
+    # the tensors view memory this worker must not write (a sealed lease, a staged body)
+    read_only: bool = False
 
 
 # -- the plug-in ------------------------------------------------------------------------

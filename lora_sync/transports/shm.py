@@ -23,7 +23,6 @@ import re
 import secrets
 import stat
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -35,7 +34,7 @@ from ..fields import field
 from ..staging import StagedBody
 from .base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
     Transport, staged_file
-from . import pages
+from .. import pages
 from .device_copy import HostPin, copy_to_host, on_device
 
 LEASE_ROUTE = "lora_sync_lease"
@@ -613,9 +612,9 @@ class ShmTransport(Transport):
     # worker side
     def receive(self, intake, pool) -> Received:
         """A sealed body is mapped read-only where the engine never writes what it is given
-        (`pool.map_sealed`), else read into a reused buffer (see `read_sealed`)."""
+        (`pool.maps_read_only`), else read into a reused buffer (see `read_sealed`)."""
         path = intake.args["path"]
-        if pool.map_sealed:
+        if pool.maps_read_only:
             sealed = map_sealed(path)
             if sealed is not None:
                 header, tensors = sealed
@@ -665,7 +664,7 @@ def view_sealed(fd: int) -> tuple[wire.Header, dict] | None:
     """The tensors of a sealed file, viewing a read-only shared mapping of it: nobody, this
     process included, can write those bytes. None when the file is not sealed."""
     mapped = map_read_only(fd)
-    return None if mapped is None else view_mapped(mapped)
+    return None if mapped is None else wire.view_mapped(mapped)
 
 
 def map_read_only(fd: int) -> memoryview | None:
@@ -674,16 +673,6 @@ def map_read_only(fd: int) -> memoryview | None:
     if not is_sealed(fd):
         return None
     return pages.map_read_only(fd, os.fstat(fd).st_size)
-
-
-def view_mapped(mapped) -> tuple[wire.Header, dict]:
-    """The header of a mapped safetensors file (`map_read_only`), checked, and tensors
-    viewing it."""
-    header = wire.parse_header(bytes(mapped[:wire.header_length(bytes(mapped[:8]))]),
-                               len(mapped))
-    with warnings.catch_warnings():  # torch warns that the memory is not writable: intended
-        warnings.simplefilter("ignore", UserWarning)
-        return header, wire.view_tensors(mapped, header)
 
 
 def is_sealed(fd: int) -> bool:

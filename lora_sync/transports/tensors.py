@@ -37,6 +37,8 @@ class TensorsTransport(Transport):
 
     # worker side
     def receive(self, intake, pool) -> Received:
-        """Views the staged body in place: the tensors share its mapping (`open_staged`)."""
-        header, tensors = open_staged(intake.args["path"], only_reader=pool.world_size == 1)
-        return Received(tensors, header.total_bytes - header.data_start)
+        """Views the staged body in place: the tensors share its mapping (`open_staged`),
+        read-only where the engine only reads them."""
+        header, tensors = open_staged(intake.args["path"], read_only=pool.maps_read_only)
+        return Received(tensors, header.total_bytes - header.data_start,
+                        read_only=pool.maps_read_only)

@@ -1,5 +1,6 @@
-"""How an shm lease's memory is mapped and paged: huge pages whatever the host's setting,
-mappings at a huge page's boundary, and madvise(2) without the GIL.
+"""How shared memory holding an adapter (an shm lease, a staged HTTP body) is mapped and
+paged: huge pages whatever the host's setting, mappings at a huge page's boundary, and
+madvise(2) without the GIL.
 
 A 70 MB lease in 4 KiB pages is 17,000 pages: the trainer's mapping fills 17,000 page-table
 entries ahead (40 ms on this VM), its unmap tears them down on the push's path (4-5 ms, and
