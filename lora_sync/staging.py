@@ -128,7 +128,7 @@ class StagingArea:
 
         A file kept for later bodies is put in huge pages the first time, on a thread: a
         worker then maps a 70 MB body in 35 faults, not 17,000 page-table entries (intake
-        8.5 -> 3.6 ms at rank 64 on both engines). It takes 0.3-2 ms with free memory at
+        8.8 -> 3.4 ms on vLLM, 8.5 -> 3.6 on SGLang, at rank 64). It takes 0.3-2 ms with free memory at
         hand, 180-220 ms where the host took it back (docs/protocol.md), so never on a
         push's path. A body written meanwhile is safe: the kernel locks each page it moves."""
         if len(self.free) < self.spare and os.path.exists(path):
