@@ -211,7 +211,8 @@ def open_staged(path: str, read_only: bool) -> tuple[wire.Header, dict]:
     lora_B scaling) faults and is copied, so the file stays as received."""
     with open(path, "rb") as f:
         if read_only:
-            return wire.view_mapped(pages.map_read_only(f.fileno(), os.fstat(f.fileno()).st_size))
+            fd = f.fileno()
+            return wire.view_mapped(pages.map_read_only(fd, os.fstat(fd).st_size))
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     header = wire.parse_header(memoryview(buf))
     return header, wire.view_tensors(buf, header)
