@@ -2,7 +2,9 @@
 every step. The server must sample from exactly the policy the trainer pushed (its log-probs of
 the sampled tokens match the trainer's), and the reward must rise with syncing and not without.
 SGLang's sampling is not reproducible from a seed, so the reward checks leave wide margins:
-24 steps end above 0.9 in every run we made, from about 0.12."""
+24 steps usually end above 0.9 from about 0.12, but one CI run ended at 0.48 (on-policy
+throughout: the same log-prob check passed), so a rise of 0.3 is asked, against under 0.1
+without syncing."""
 import pytest
 
 from examples.rl_loop import LoopConfig, run, summary
@@ -30,7 +32,7 @@ def test_reward_rises_when_lora_is_synced(request, model_dir, workdir, engine, t
     print(f"\n{server.engine} {transport}: reward first 3 steps {first:.3f}, last 3 steps "
           f"{last:.3f}, worst log-prob mismatch {mismatch:.1e}")
     assert mismatch < ON_POLICY, [s["logprob_mismatch"] for s in log["steps"]]
-    assert last > first + 0.4
+    assert last > first + 0.3
     # Rollouts were served by the version the trainer had just pushed (on-policy).
     versions = [s["rollout_version"] for s in log["steps"]]
     assert versions == list(range(versions[0], versions[0] + len(versions)))
