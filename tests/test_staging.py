@@ -6,6 +6,7 @@ lands in, whatever happened to that file before (a longer or shorter body, huge 
 to it while the body was written); a file kept for reuse gets huge pages (where the kernel
 can give them) and a read-only mapping of it then maps them whole."""
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -48,14 +49,23 @@ def collapses_running() -> bool:
     return any(t.name == "lora-sync-staging-huge-pages" for t in threading.enumerate())
 
 
-@pytest.fixture
-def area():
+@contextlib.contextmanager
+def staging_area():
+    """A StagingArea of its own; gone, with its huge-page threads done, on exit."""
     root = tempfile.mkdtemp(dir="/dev/shm", prefix="lora-sync-staging-test-")
     a = StagingArea(spare=2, root=root)
-    yield a
-    wait_until(lambda: not collapses_running(), 30, "huge-page threads done")
-    a.close()
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        yield a
+    finally:
+        wait_until(lambda: not collapses_running(), 30, "huge-page threads done")
+        a.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def area():
+    with staging_area() as a:
+        yield a
 
 
 @settings(max_examples=12, deadline=None)
@@ -65,9 +75,7 @@ def test_a_reused_file_reads_back_exactly_each_body(sizes, piece):
     """Bodies of random sizes go through one area, each recycled at once, so the next lands
     in the file just kept while its huge pages are being given (a longer or shorter body
     than the last): each reads back, read-only or private, as the tensors sent."""
-    root = tempfile.mkdtemp(dir="/dev/shm", prefix="lora-sync-staging-test-")
-    area = StagingArea(spare=2, root=root)
-    try:
+    with staging_area() as area:
         for seed, nbytes in enumerate(sizes):
             chunks, tensors = body_of(nbytes, seed)
             staged = stage(area, chunks, piece)
@@ -77,10 +85,6 @@ def test_a_reused_file_reads_back_exactly_each_body(sizes, piece):
                 assert all(torch.equal(got[k], tensors[k]) for k in tensors)
                 del got
             area.recycle(staged.path)
-    finally:
-        wait_until(lambda: not collapses_running(), 30, "huge-page threads done")
-        area.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.skipif(not collapse_possible(), reason="MADV_COLLAPSE needs Linux 6.1 and "
