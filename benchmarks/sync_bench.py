@@ -126,10 +126,10 @@ def first_completion_s(client, served: str, transport: str) -> float:
 
 def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str):
     if engine == "vllm":
-        # Keep vLLM's LoRA cache small. Its unload route leaves a disk adapter in the
-        # worker's cache, its deleted file still mapped; while they pile up the disk route
-        # runs 2-3x slower (README, Benchmark), flattering every ratio. Evicting one costs the
-        # push that triggers it about 9 ms at rank 64 (disk_shm and tensors, in this order).
+        # vLLM's own unload route leaves a disk adapter in the worker's cache (vllm#54839);
+        # lora-sync evicts it after the unload (AdapterService.evict_when_idle), off every
+        # push's path. The small cache bounds what a run leaves cached all the same: while
+        # disk adapters pile up the disk route runs 2-3x slower (README, Benchmark).
         return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8).start()
     # SGLang on CPU needs the sgl-kernel stand-in (PyPI ships CUDA kernels only); see
     # docs/sglang_notes.md. It lives with the tests and is used here for the same reason.

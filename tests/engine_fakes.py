@@ -160,6 +160,7 @@ class FakeBridge(EngineBridge):
         self.running: collections.Counter = collections.Counter()  # adapter id -> requests
         self.pinned: collections.Counter = collections.Counter()   # held by a test
         self.freed: list[int] = []
+        self.evicted: list[int] = []              # disk adapters evicted after an unload
         self.calls: list[str] = []                # every worker op, in order
         self.violations: list[str] = []           # what a real engine would crash on
 
@@ -212,6 +213,14 @@ class FakeBridge(EngineBridge):
                                        f"(+{self.pinned[i]} pinned) still use it")
         self.freed.extend(adapter_ids)
         await self.call_workers("free", adapter_ids=list(adapter_ids))
+
+    def engine_adapter_id(self, name: str) -> int | None:
+        return self.disk[name][0] if name in self.disk else None
+
+    async def evict(self, adapter_id: int) -> None:
+        if await self.in_use(adapter_id):
+            self.violations.append(f"disk adapter {adapter_id} evicted while in use")
+        self.evicted.append(adapter_id)
 
     # what tests use ---------------------------------------------------------------------
     @contextmanager

@@ -281,6 +281,28 @@ def test_a_version_the_engine_still_uses_waits_for_it(fake_server, fake_client, 
     assert held_versions(c, "pinned") == [2, 3, 4]
 
 
+def test_the_engines_own_unload_evicts_its_copy_once_idle(fake_server, fake_client,
+                                                         make_adapter, workdir):
+    """test_tensors.py::test_the_engines_own_unload_frees_the_worker_copy: a disk adapter
+    unloaded by name through the engine's route is evicted from the engine, never while
+    the engine still has a request on it; a refused unload evicts nothing."""
+    c = fake_client
+    make_adapter(seed=520).save(workdir / "disk-520")
+    c.load_from_disk(str(workdir / "disk-520"), "disk-520")
+    disk_id = fake_server.bridge.disk["disk-520"][0]
+    with fake_server.bridge.engine_busy(disk_id):
+        c.unload_from_disk("disk-520")
+        time.sleep(0.2)  # several drain polls
+        assert disk_id not in fake_server.bridge.evicted
+    wait_until(lambda: disk_id in fake_server.bridge.evicted, what="disk copy evicted")
+    evicted = list(fake_server.bridge.evicted)
+    status, _, _ = http.request("POST", f"{fake_server.url}/v1/unload_lora_adapter",
+                                json_body={"lora_name": "disk-520"}, headers=AUTH)
+    assert status == 404
+    time.sleep(0.2)
+    assert fake_server.bridge.evicted == evicted
+
+
 def test_soak_versions_while_generating(fake_server, make_adapter):
     """test_versions.py::test_soak_200_versions_while_streaming (its logic; memory is the
     real engine's): one thread generates on the alias and on the previous version while

@@ -3,7 +3,7 @@ disk load, and LRU eviction. Its rules (bodies, limits, versions) are checked wi
 engine in test_service.py."""
 from lora_sync import LoRASyncClient, http
 
-from .helpers import AUTH, disk_model, greedy
+from .helpers import AUTH, disk_model, greedy, wait_until
 
 
 def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
@@ -34,6 +34,23 @@ def test_adapter_survives_lru_eviction(vllm, make_adapter):
     assert lru0_id not in info["worker_status"][0]["cached_ids"], "lru0 was not evicted"
     assert greedy(client, "lru0") == first
 
+
+
+def test_the_engines_own_unload_frees_the_worker_copy(vllm, make_adapter, workdir):
+    """vLLM's /v1/unload_lora_adapter only forgets the name (vllm#54839): behind lora-sync
+    the worker's cached copy goes too, so adapters unloaded by name do not pile up."""
+    client = LoRASyncClient(vllm.url, api_key=vllm.api_key)
+
+    def cached() -> set:
+        return set(client.info()[0]["worker_status"][0]["cached_ids"])
+    make_adapter(seed=43).save(workdir / "disk-43")
+    before = cached()
+    client.load_from_disk(str(workdir / "disk-43"), "disk-43")
+    added = cached() - before
+    assert len(added) == 1, added  # vLLM preloads what its disk route loads
+    greedy(client, "disk-43")
+    client.unload_from_disk("disk-43")
+    wait_until(lambda: not added & cached(), what="the unloaded disk adapter evicted")
 
 
 def test_a_large_body_is_read_from_the_socket(client, make_adapter, workdir):

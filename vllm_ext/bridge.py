@@ -55,3 +55,9 @@ class VLLMBridge(EngineBridge):
 
     async def free(self, adapter_ids):
         await self.call_workers("free", adapter_ids=list(adapter_ids))
+
+    def engine_adapter_id(self, name):
+        return engine_api.native_adapter_id(self.state, name)
+
+    async def evict(self, adapter_id):
+        await engine_api.remove_lora(self.engine, adapter_id)

@@ -45,6 +45,8 @@ TOUCHED = (
     "vllm.v1.engine.output_processor:OutputProcessor.request_states",
     "vllm.v1.engine.output_processor:RequestState.lora_request",
     "vllm.v1.engine.async_llm:AsyncLLM.add_lora(lora_request)",
+    "vllm.v1.engine.async_llm:AsyncLLM.remove_lora(lora_id)",
+    "vllm.lora.request:LoRARequest.lora_int_id",
     "vllm.v1.engine.async_llm:AsyncLLM.collective_rpc(method, *, timeout, args)",
     "vllm.v1.engine.async_llm:AsyncLLM.model_config",
     "vllm.v1.engine.async_llm:AsyncLLM.vllm_config",
@@ -130,9 +132,10 @@ def engine_names(app_state) -> set[str]:
 
 # The engine's own routes that load or unload adapters by name (SageMaker's come with
 # VLLM_ALLOW_RUNTIME_LORA_UPDATING through model_hosting_container_standards).
+# Unloading only forgets the name (vllm#54839): lora-sync evicts the cached copy after.
 NATIVE_ADAPTER_ROUTES = (("POST", "/v1/load_lora_adapter", "lora_name"),
-                         ("POST", "/v1/unload_lora_adapter", "lora_name"),
-                         ("POST", "/adapters", "name"), ("DELETE", "/adapters/", None))
+                         ("POST", "/v1/unload_lora_adapter", "lora_name", True),
+                         ("POST", "/adapters", "name"), ("DELETE", "/adapters/", None, True))
 # vLLM's --api-key middleware guards only these prefixes (serve/middleware/authenticate.py):
 # /invocations, for one, generates unguarded.
 KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -175,6 +178,18 @@ def publish(app_state, served_name: str, request) -> None:
 
 def unpublish(app_state, served_name: str) -> None:
     serving_models(app_state).lora_requests.pop(served_name, None)
+
+
+def native_adapter_id(app_state, name: str) -> int | None:
+    """The id of an adapter vLLM loaded itself (its disk route) under `name`."""
+    request = serving_models(app_state).lora_requests.get(name)
+    if request is None or str(request.lora_path).startswith(LORA_PATH_SCHEME):
+        return None
+    return request.lora_int_id
+
+
+async def remove_lora(engine_client, lora_int_id: int) -> None:
+    await engine_client.remove_lora(lora_int_id)
 
 
 

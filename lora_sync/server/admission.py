@@ -34,10 +34,12 @@ BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 @dataclass(frozen=True)
 class NativeRoute:
     """An engine route that loads or unloads adapters by name: `field` names it in the JSON
-    body, or `path_prefix` + name is the path (SageMaker's DELETE /adapters/<name>)."""
+    body, or `path_prefix` + name is the path (SageMaker's DELETE /adapters/<name>).
+    `unloads`: a 2xx reply takes the name away, so the engine's copy is evicted too."""
     method: str
     path: str
     field: str | None = None
+    unloads: bool = False
 
 
 class AdmissionMiddleware:
@@ -75,8 +77,11 @@ class AdmissionMiddleware:
             request = _parse(body, scope)
             native = self._native_route(scope)
             if native is not None:
-                service.authorize_native(_header(scope, b"authorization"),
-                                         _native_name(native, scope, request))
+                name = _native_name(native, scope, request)
+                service.authorize_native(_header(scope, b"authorization"), name)
+                if native.unloads:
+                    return await self._unload_native(service, name, scope,
+                                                     _replay(body, receive), send)
                 return await self.app(scope, _replay(body, receive), send)
             admitted, scope, body = self._admit(service, scope, request, body)
         except LoRASyncError as e:
@@ -96,6 +101,20 @@ class AdmissionMiddleware:
         finally:
             for a in admitted:
                 service.finish_request(a.served_name)
+
+    async def _unload_native(self, service, name, scope, receive, send) -> None:
+        """Runs the engine's unload; once it succeeded, the engine's cached copy is evicted
+        (service.evict_when_idle): vLLM's own unload only forgets the name."""
+        adapter_id = service.bridge.engine_adapter_id(name) if isinstance(name, str) else None
+        status = []
+
+        async def watch(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+        await self.app(scope, receive, watch)
+        if adapter_id is not None and status and 200 <= status[0] < 300:
+            service.evict_when_idle(adapter_id)
 
     def _native_route(self, scope) -> NativeRoute | None:
         method, path = scope["method"], scope["path"]

@@ -80,3 +80,11 @@ class EngineBridge(ABC):
     @abstractmethod
     async def free(self, adapter_ids: list[int]) -> None:
         """Frees the engine's and the workers' copies."""
+
+    def engine_adapter_id(self, name: str) -> int | None:
+        """The id of an adapter the engine loaded itself under `name`, where the engine's
+        own unload leaves it cached (then `evict` frees it); None elsewhere."""
+        return None
+
+    async def evict(self, adapter_id: int) -> None:
+        """Drops an adapter the engine loaded itself from the engine's caches."""

@@ -161,6 +161,7 @@ class AdapterService:
                                              self.staging, self.workers, self._receive_body)
                          for name, t in TRANSPORTS.items()}
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
+        self._evicting: set[asyncio.Task] = set()  # engine adapters unloaded by name
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
         self.retired_names: OrderedDict[str, None] = OrderedDict()  # oldest first, bounded
 
@@ -385,6 +386,22 @@ class AdapterService:
                 rec.hold.close()
         finally:
             self._freeing.discard(task)
+
+    def evict_when_idle(self, adapter_id: int) -> None:
+        """An adapter the engine loaded itself was unloaded by name: its cached copy goes once
+        no request uses it (as for our retired versions), off the unload's path."""
+        async def evict():
+            while await self.bridge.in_use(adapter_id):
+                await asyncio.sleep(DRAIN_POLL_S)
+            task = asyncio.current_task()
+            self._freeing.add(task)  # a push settles it first: one engine call at a time
+            try:
+                await self.bridge.evict(adapter_id)
+            except Exception:  # best effort: the engine's LRU evicts it in the end
+                pass
+            finally:
+                self._freeing.discard(task)
+        self._evicting.add(asyncio.get_running_loop().create_task(evict()))
 
     async def settle(self) -> float:
         """Waits until retired versions are freed (overlaps the trainer's step in practice),
