@@ -99,9 +99,10 @@ def _mapping_type(span: int) -> type:
     return type("ReadOnlyMapping", (ctypes.c_ubyte * span,), {"__del__": _unmap_array})
 
 
-def _unmap_array(array, munmap=_LIBC.munmap) -> None:
-    # munmap is bound here: at interpreter exit this module's globals may already be None
-    munmap(ctypes.addressof(array), ctypes.sizeof(array))
+def _unmap_array(array, munmap=_LIBC.munmap, addressof=ctypes.addressof,
+                 sizeof=ctypes.sizeof) -> None:
+    # bound here: at interpreter exit this module's globals may already be None
+    munmap(addressof(array), sizeof(array))
 
 
 def _map_at_boundary(fd: int, span: int, prot: int) -> int | None:

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from .. import http, replies
+from ..background import Yielding
 from ..errors import LoRASyncError
 from .base import Server
 from .device_copy import HostPin
@@ -64,6 +65,10 @@ class ReadyLeases:
         self._wanted: dict[str, tuple] = {}   # server url -> (server, name, nbytes, pin)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-sync-ready-lease")
+        # Readying runs while the server serves the version just pushed: at full priority
+        # it made vLLM's first completion 21 ms slower than after a disk load, 2 ms niced
+        # (12 pairs, paired medians; the push itself unchanged).
+        self._priority = Yielding()
         self._closed = False
 
     def take(self, server: Server, name: str, nbytes: int) -> ReadyLease | None:
@@ -71,6 +76,8 @@ class ReadyLeases:
         a lease readied for another name or size is cancelled."""
         with self._lock:
             slot = self._slots.pop(server.url, None)
+        if slot is not None and not slot.done():
+            self._priority.lift()  # this push waits for it now
         ready = slot.result() if slot is not None else None  # its calls are time-bounded
         if ready is None:
             return None
@@ -128,6 +135,7 @@ class ReadyLeases:
     # -- on the pool's thread ------------------------------------------------------------
     def _ready(self, server: Server, name: str, nbytes: int, pin: bool) -> ReadyLease | None:
         """None where no lease could be readied: the next push takes the usual path."""
+        self._priority.lower()
         time.sleep(START_DELAY_S)
         try:
             granted = self._post(server, LEASE_ROUTE, {"nbytes": nbytes,
