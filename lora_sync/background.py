@@ -21,7 +21,8 @@ class Yielding:
     def lower(self) -> None:
         tid = threading.get_native_id()  # Linux: setpriority on a thread id is per thread
         try:
-            own = os.getpriority(os.PRIO_PROCESS, tid)
+            # its own priority is read once: lowered again without a lift, it reads LOWEST
+            own = self._own if tid == self._tid else os.getpriority(os.PRIO_PROCESS, tid)
             os.setpriority(os.PRIO_PROCESS, tid, LOWEST)
         except OSError:
             return

@@ -17,6 +17,7 @@ def test_a_thread_yields_until_a_waiter_lifts_it():
         tid = threading.get_native_id()
         seen["own"] = os.getpriority(os.PRIO_PROCESS, tid)
         yielding.lower()
+        yielding.lower()  # a second readying with no lift between: still lifts to its own
         seen["lowered"] = os.getpriority(os.PRIO_PROCESS, tid)
         lowered.set()
         lifted.wait(10)

@@ -295,6 +295,7 @@ def test_the_engines_own_unload_evicts_its_copy_once_idle(fake_server, fake_clie
         time.sleep(0.2)  # several drain polls
         assert disk_id not in fake_server.bridge.evicted
     wait_until(lambda: disk_id in fake_server.bridge.evicted, what="disk copy evicted")
+    wait_until(lambda: not fake_server.service._evicting, what="the eviction task let go")
     evicted = list(fake_server.bridge.evicted)
     status, _, _ = http.request("POST", f"{fake_server.url}/v1/unload_lora_adapter",
                                 json_body={"lora_name": "disk-520"}, headers=AUTH)

@@ -401,7 +401,9 @@ class AdapterService:
                 pass
             finally:
                 self._freeing.discard(task)
-        self._evicting.add(asyncio.get_running_loop().create_task(evict()))
+        task = asyncio.get_running_loop().create_task(evict())
+        self._evicting.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._evicting.discard)
 
     async def settle(self) -> float:
         """Waits until retired versions are freed (overlaps the trainer's step in practice),
