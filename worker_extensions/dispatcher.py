@@ -23,8 +23,8 @@ class WorkerEngine(ABC):
 
     # True when the engine never writes the tensors `build` gets (its in-place steps are
     # done into buffers of its own): then they may view read-only memory, and a sealed shm
-    # lease or a staged HTTP body is mapped read-only, shared by every worker. A write there would kill the worker, so only an
-    # engine whose every step on them is known says so.
+    # lease or a staged HTTP body is mapped read-only, shared by every worker. A write there
+    # would kill the worker, so only an engine whose every step on them is known says so.
     maps_read_only: bool = False
     # True when the engine first reads an adapter's tensors when a request first uses it
     # (SGLang copies them into its memory pool then): the page tables of a mapped body are

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import math
@@ -363,8 +364,7 @@ class AdapterService:
         # Our count says no admitted request is left. The engine is asked too: a request
         # that reached it by a path admission did not count must finish before the adapter
         # goes, or the engine would fail on a missing adapter.
-        while await self.bridge.in_use(rec.adapter_id):
-            await asyncio.sleep(DRAIN_POLL_S)
+        await self._engine_done_with(rec.adapter_id)
         self.records.pop(rec.served_name, None)
         metrics.state_changed()  # the version's series go
         if rec.name not in self.book.names():
@@ -375,35 +375,42 @@ class AdapterService:
                 self.book.floors[rec.name] = max(present)
             else:
                 self.book.floors.pop(rec.name, None)
-        task = asyncio.current_task()
-        self._freeing.add(task)
-        try:
+        async with self._settled_before_pushes():
             freed = await self._free_engine_copies([rec.adapter_id])
             # What the version held is reused only once no worker serves from it; if the
             # workers could not be told, it stays until the server stops (rare: a broken
             # engine RPC), never overwritten under a version still in use.
             if rec.hold is not None and freed:
                 rec.hold.close()
-        finally:
-            self._freeing.discard(task)
 
     def evict_when_idle(self, adapter_id: int) -> None:
         """An adapter the engine loaded itself was unloaded by name: its cached copy goes once
         no request uses it (as for our retired versions), off the unload's path."""
         async def evict():
-            while await self.bridge.in_use(adapter_id):
-                await asyncio.sleep(DRAIN_POLL_S)
-            task = asyncio.current_task()
-            self._freeing.add(task)  # a push settles it first: one engine call at a time
-            try:
-                await self.bridge.evict(adapter_id)
-            except Exception:  # best effort: the engine's LRU evicts it in the end
-                pass
-            finally:
-                self._freeing.discard(task)
+            await self._engine_done_with(adapter_id)
+            async with self._settled_before_pushes():
+                try:
+                    await self.bridge.evict(adapter_id)
+                except Exception:  # best effort: the engine's LRU evicts it in the end
+                    pass
         task = asyncio.get_running_loop().create_task(evict())
         self._evicting.add(task)  # held until done (the loop keeps only weak references)
         task.add_done_callback(self._evicting.discard)
+
+    async def _engine_done_with(self, adapter_id: int) -> None:
+        while await self.bridge.in_use(adapter_id):
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    @contextlib.asynccontextmanager
+    async def _settled_before_pushes(self):
+        """An engine call that frees memory: a push that starts meanwhile waits for it
+        (`settle`), so it can reuse that memory and the two never race in the engine."""
+        task = asyncio.current_task()
+        self._freeing.add(task)
+        try:
+            yield
+        finally:
+            self._freeing.discard(task)
 
     async def settle(self) -> float:
         """Waits until retired versions are freed (overlaps the trainer's step in practice),
