@@ -358,6 +358,8 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
     async def unload_lora_adapter(request: Request):
         body = await request.json()
         name = body.get("lora_name")
+        if not isinstance(name, str):  # vLLM's request model refuses it
+            return _error(400, "lora_name must be a string")
         if bridge.disk.pop(name, None) is None:
             return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

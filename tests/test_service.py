@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 import torch
@@ -770,6 +770,55 @@ def test_native_adapter_routes_never_touch_our_names(fake_server, fake_client, m
     assert versions_of(c, "nat") == [1] and greedy(c, "nat") == before
     assert not fake_server.bridge.disk
     assert c.push(make_adapter(seed=612), "nat", transport="tensors")[0].version == 2
+
+
+_EXAMPLES = itertools.count()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(st.tuples(st.sampled_from(["load", "unload", "unload-raw", "push"]),
+                              st.sampled_from(["d1", "d2", "evx", "evx-v1", "EVX", 7, None,
+                                               ["d1"], "x" * 300])),
+                    min_size=1, max_size=12))
+@example(ops=[("load", "d1"), ("push", None), ("load", "d2"), ("unload-raw", "d2"),
+              ("unload", "d1"), ("unload", "evx-v1"), ("unload", "d1")])
+def test_native_unloads_evict_only_what_they_unloaded(fake_server, fake_client, make_adapter,
+                                                      workdir, ops):
+    """Random loads, unloads (any name, any type, keyed or not) and pushes through the
+    engine's own routes: an eviction happens only for a disk adapter an unload took away,
+    never for one of our versions or a name still loaded; ours keep serving throughout."""
+    c, bridge = fake_client, fake_server.bridge
+    make_adapter(seed=530).save(workdir / "disk-530")
+    loaded, unloaded, evicted_before = {}, set(), set(bridge.evicted)
+    example = next(_EXAMPLES)  # disk names of their own: the server outlives each example
+    for op, name in ops:
+        if isinstance(name, str) and not name.casefold().startswith("evx"):
+            name = f"{name}-{example}"
+        if op == "push":
+            c.push(make_adapter(seed=531), "evx", transport="tensors")
+        elif op == "load" and isinstance(name, str):
+            status, _, _ = http.request("POST", f"{fake_server.url}/v1/load_lora_adapter",
+                                        json_body={"lora_name": name,
+                                                   "lora_path": str(workdir / "disk-530")},
+                                        headers=AUTH)
+            if status == 200:
+                loaded[name] = bridge.disk[name][0]
+        else:
+            headers = AUTH if op == "unload" else {}
+            status, _, _ = http.request("POST", f"{fake_server.url}/v1/unload_lora_adapter",
+                                        json_body={"lora_name": name}, headers=headers)
+            assert status < 500, (op, name, status)
+            if status == 200:
+                unloaded.add(loaded.pop(name))
+    ours = adapter_ids(c, "evx")
+    wait_until(lambda: unloaded <= set(bridge.evicted), what="every unloaded copy evicted")
+    evicted = set(bridge.evicted) - evicted_before
+    assert evicted == unloaded and not evicted & (ours | set(loaded.values()))
+    if ours:
+        assert greedy(c, "evx") == served_text(make_adapter(seed=531))
+    for name in loaded:
+        http.request("POST", f"{fake_server.url}/v1/unload_lora_adapter",
+                     json_body={"lora_name": name}, headers=AUTH)
 
 
 # -- admission -----------------------------------------------------------------------------
