@@ -177,11 +177,12 @@ def _read_body(resp, max_bytes: int, deadline: float, where: str) -> bytes:
 
 
 def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None,
-             timeout: float = 120.0, max_reply_bytes: int = MAX_REPLY_BYTES
+             timeout: float = 120.0, max_reply_bytes: int = MAX_REPLY_BYTES, on_sent=None
              ) -> tuple[int, bytes, dict]:
     """Sends a request; the body is either `json_body` or an iterable of byte chunks.
     Returns (status, reply bytes, reply headers), all of it within `timeout` seconds (and
-    the deadline of an enclosing `within`)."""
+    the deadline of an enclosing `within`). `on_sent()` is called once the whole body has
+    left, before the reply is read."""
     deadline = time.monotonic() + timeout
     scoped = _deadline.get()
     if scoped is not None:
@@ -207,6 +208,8 @@ def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None
             for c in chunks:
                 conn.sock.settimeout(_remaining(deadline))
                 conn.send(c)
+            if on_sent is not None:
+                on_sent()
             conn.sock.settimeout(_remaining(deadline))
             resp = conn.getresponse()
             raw = _read_body(resp, max_reply_bytes, deadline, where)

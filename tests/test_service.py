@@ -1390,6 +1390,40 @@ def test_what_a_broadcast_keeps_for_a_resync_is_its_packed_frames(make_fake_serv
         assert greedy(c, "packed") == served_text(a)
 
 
+def test_the_resync_copy_waits_until_every_body_has_left(make_fake_server, make_adapter,
+                                                         monkeypatch):
+    """A tensors push to two servers and one that is down: the client copies the adapter
+    for a resync only once both bodies have left (beside the sending, the copy took a core
+    from it), a server that never takes its body does not hold the copy back, and the
+    copy kept is the adapter as pushed."""
+    events = []
+    real_exchange, real_snapshot = http.exchange, FleetMemory.snapshot
+
+    def exchange(*args, on_sent=None, **kw):
+        def sent():
+            events.append("sent")
+            on_sent()
+        return real_exchange(*args, on_sent=sent if on_sent else None, **kw)
+
+    def snapshot(memory, *args):
+        events.append("copy")
+        return real_snapshot(memory, *args)
+    monkeypatch.setattr(http, "exchange", exchange)
+    monkeypatch.setattr(FleetMemory, "snapshot", snapshot)
+    one, two = make_fake_server(), make_fake_server()
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    adapter = make_adapter(seed=901)
+    with LoRASyncClient([one.url, down, two.url], api_key=one.api_key, timeout=20) as c:
+        results = c.push(adapter, "late-copy", transport="tensors", on_error="skip")
+        assert [r.ok for r in results] == [True, False, True]
+        assert events == ["sent", "sent", "copy"]
+        kept = c.memory.newest["late-copy"].adapter
+        assert all(torch.equal(kept.tensors[k], adapter.tensors[k]) for k in adapter.tensors)
+        assert greedy(c, "late-copy") == served_text(adapter)
+
+
 @pytest.mark.parametrize("seed", [None, 0, 1])
 def test_copies_kept_across_mixed_transports_reuse_three_buffers(make_fake_server,
                                                                  make_adapter, seed):

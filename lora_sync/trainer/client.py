@@ -5,6 +5,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 
 from .. import http, naming, replies
 from . import sharded
@@ -34,6 +35,37 @@ def as_adapter(adapter) -> LoRAAdapter:
     if hasattr(adapter, "peft_config"):
         return LoRAAdapter.from_peft_model(adapter)
     return LoRAAdapter.from_dir(adapter)
+
+
+class _BodiesOut:
+    """How many servers' push bodies are still being sent. A push counts as sent when its
+    transport says the body has left (`sent`), or at the latest when it ends."""
+
+    def __init__(self, servers: int):
+        self._left = servers
+        self._changed = threading.Condition()
+        self._mine = threading.local()  # whether this thread's push was counted
+
+    @contextmanager
+    def sending(self):
+        self._mine.counted = False
+        try:
+            yield
+        finally:
+            self.sent()
+
+    def sent(self) -> None:
+        if getattr(self._mine, "counted", True):
+            return
+        self._mine.counted = True
+        with self._changed:
+            self._left -= 1
+            self._changed.notify_all()
+
+    def wait(self, deadline: float) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._left <= 0,
+                                   max(0.0, deadline - time.monotonic()))
 
 
 class LoRASyncClient:
@@ -176,9 +208,10 @@ class LoRASyncClient:
         """One push to every server: the transport prepares it once, the client sends it to
         each server at once (a stale server first gets what it lost), the transport
         finishes it."""
+        bodies = _BodiesOut(len(self.servers))
         ctx = SendContext(name, version, checksum, self.headers, self.timeout, self.client_id,
                           self._group, self.ready_leases, keep,
-                          self.memory.spare(name) if keep else None)
+                          self.memory.spare(name) if keep else None, bodies.sent)
         sender = TRANSPORTS.get(transport)  # None: "auto", chosen per server
         outgoing = sender.prepare(adapter, ctx) if sender else None
         needs = sender.send_timeout(ctx) if sender else None
@@ -186,12 +219,21 @@ class LoRASyncClient:
             deadline = max(deadline, time.monotonic() + needs)
 
         def push_one(server: Server) -> PushResult:
-            if server.url in self.memory.stale:
-                self._resync_one(server)
-            if sender is None:
-                return self._push_auto(server, adapter, ctx)
-            return self._push_with(sender, outgoing, server, ctx)
-        results = self._each_server(push_one, version, deadline, alongside)
+            with bodies.sending():
+                if server.url in self.memory.stale:
+                    self._resync_one(server)
+                if sender is None:
+                    return self._push_auto(server, adapter, ctx)
+                return self._push_with(sender, outgoing, server, ctx)
+
+        def once_sent():
+            # The copy kept for a resync is made once every body has left, while the
+            # servers build: beside the sending it took a core from it (2 cores, tensors
+            # at rank 64: the push 6.7 ms slower).
+            bodies.wait(deadline)
+            alongside()
+        results = self._each_server(push_one, version, deadline,
+                                    once_sent if alongside is not None else None)
         packed = sender.finish(outgoing, results) if sender is not None else None
         if packed is not None:
             for r in results:

@@ -57,6 +57,7 @@ class SendContext:
     keep: bool = False            # return the tensors as pushed where that is free (shm,
                                   # broadcast on CPU)
     spare: Any = None             # with `keep`: a buffer of the client's to pack into
+    body_sent: Callable[[], None] | None = None  # call once this server's body has left
 
 
 @dataclass
