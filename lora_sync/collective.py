@@ -136,9 +136,10 @@ class Transfer:
 
     @classmethod
     def plan(cls, specs: list[TensorSpec], transfer_id: int,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "Transfer":
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, layout: int | None = None) -> "Transfer":
+        """`layout`: the specs' layout_digest, where the caller already has it."""
         return cls(transfer_id, tuple(plan_buckets(specs, bucket_bytes)), bucket_bytes,
-                   layout_digest(specs))
+                   layout_digest(specs) if layout is None else layout)
 
     @property
     def nbytes(self) -> int:

@@ -34,6 +34,7 @@ class ErrorCode(str, Enum):
     SHM_UNREACHABLE = "shm_unreachable"
     CLIENT_DISCONNECTED = "client_disconnected"
     TRANSFER_MISMATCH = "transfer_mismatch"  # a broadcast that is not what was declared
+    LAYOUT_UNKNOWN = "layout_unknown"  # a broadcast naming a layout its group does not hold
     # 401 / 403: access
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"

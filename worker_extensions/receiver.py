@@ -36,6 +36,9 @@ class WorkerState:
     # Groups being set up on a background thread: name -> the set-up that may finish it.
     pending: dict[str, object] = field(default_factory=dict)
     groups_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Per group, the tensors it last declared (transports/broadcast.py Layout): a later push
+    # of the same layout names it instead of listing them again.
+    layouts: dict[str, object] = field(default_factory=dict)
     # Buckets of the last freed adapter, for the next broadcast to receive into: filling
     # memory that is already mapped is several times cheaper than fresh pages (docs/protocol.md).
     spare: list[torch.Tensor] = field(default_factory=list)
@@ -117,6 +120,7 @@ class WorkerState:
     def destroy_group(self, group_name: str) -> bool:
         with self.groups_lock:
             self.pending.pop(group_name, None)  # a late set-up is then discarded
+            self.layouts.pop(group_name, None)
             pg, _ = self.groups.pop(group_name, (None, None))
         if pg is not None:
             pg.shutdown()

@@ -11,7 +11,10 @@ tensors in buckets; only the metadata crosses HTTP.
 Rules: a group belongs to the client that created it (init returns a token that loading on
 it and destroying it take); what the workers receive is framed and checked against the
 declaration before it is used (collective.Transfer): a mismatch drops the group and fails
-the push with a 400, and the previous versions keep serving."""
+the push with a 400, and the previous versions keep serving. A declaration (the tensors'
+names, dtypes and shapes) is sent once per group and layout: the server and its workers keep
+the group's last one, and a push of the same layout names it by its digest (`layout`)
+instead of listing 336 tensors again (GroupLayouts)."""
 from __future__ import annotations
 
 import asyncio
@@ -57,6 +60,8 @@ class TrainerGroup:
     tokens: dict = field(default_factory=dict)  # server url -> the group's ownership token
     broken: bool = False
     send_buffers: dict = field(default_factory=dict)  # the frames, kept between pushes
+    # server url -> the layout that server holds for this group (a push of it names it)
+    declared: dict = field(default_factory=dict)
 
 
 def init_group(servers: list, headers: dict, infos: list, master_address: str,
@@ -119,6 +124,7 @@ class Outgoing:
     """One broadcast under way: the metadata every server gets, and the collective send."""
     group: TrainerGroup
     body: dict
+    layout: int = 0
     sent: threading.Event = field(default_factory=threading.Event)
     packed: threading.Event = field(default_factory=threading.Event)
     errors: list = field(default_factory=list)
@@ -184,29 +190,24 @@ class DistributedLoadRequest:
     lora_name: str
     version: int | None
     config: dict
-    specs: list[TensorSpec]
+    specs: list[TensorSpec] | None  # None: the request names a layout (`layout`) instead
+    layout: int | None
     group_name: str
     group_token: str
     bucket_bytes: int
     transfer_id: int
     checksum: str | None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
-
-    @property
-    def frames_nbytes(self) -> int:
-        """What the workers allocate to receive it (payload, padding, trailers)."""
-        return sum(b.frame_bytes for b in collective.plan_buckets(self.specs,
-                                                                  self.bucket_bytes))
-
     @classmethod
     def from_json(cls, body: dict) -> "DistributedLoadRequest":
         where = LOAD_ROUTE
-        raw_specs = json_field(body, "tensors", list, max_len=MAX_TENSORS, where=where)
-        specs = [TensorSpec.from_json(s) for s in raw_specs]
-        if len({s.name for s in specs}) != len(specs):
+        raw_specs = json_field(body, "tensors", list, None, max_len=MAX_TENSORS, where=where)
+        layout = json_field(body, "layout", int, None, lo=0, hi=2 ** 64 - 1, where=where)
+        if raw_specs is None and layout is None:
+            raise BadAdapter("'tensors' is required (or 'layout': the digest of tensors this "
+                             "group declared before)", code="bad_request")
+        specs = None if raw_specs is None else [TensorSpec.from_json(s) for s in raw_specs]
+        if specs is not None and len({s.name for s in specs}) != len(specs):
             raise BadAdapter("'tensors' lists a name twice", code="bad_metadata")
         config = body.get("adapter_config")
         if isinstance(config, str):
@@ -221,7 +222,7 @@ class DistributedLoadRequest:
         return cls(
             lora_name=naming.check_name(body.get("lora_name")),
             version=naming.parse_version(body.get("version")),
-            config=config if config is not None else {}, specs=specs,
+            config=config if config is not None else {}, specs=specs, layout=layout,
             group_name=group_name_of(body), group_token=group_token_of(body, where),
             bucket_bytes=json_field(body, "bucket_bytes", int, collective.DEFAULT_BUCKET_BYTES,
                                     lo=1 << 12, hi=1 << 30, where=where),
@@ -231,15 +232,44 @@ class DistributedLoadRequest:
 
 
 # -- server routes (API process) --------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """A group's declared tensors and their layout_digest: kept by the API process (one per
+    group) and by each worker (WorkerState.layouts), named by later pushes."""
+    digest: int
+    specs: list[TensorSpec]
+
+    def frames_nbytes(self, bucket_bytes: int) -> int:
+        """What the workers allocate to receive it (payload, padding, trailers)."""
+        return sum(b.frame_bytes for b in collective.plan_buckets(self.specs, bucket_bytes))
+
+
 @dataclass
 class Groups:
-    """The server's view of its update groups: each one's timeout and ownership token."""
+    """The server's view of its update groups: each one's timeout, ownership token and last
+    declared layout."""
     timeouts: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
+    layouts: dict[str, Layout] = field(default_factory=dict)
 
     def forget(self, group_name: str) -> None:
         self.timeouts.pop(group_name, None)
         self.tokens.pop(group_name, None)
+        self.layouts.pop(group_name, None)
+
+    def layout_of(self, req: DistributedLoadRequest) -> Layout:
+        """The tensors a push declares: its own list, or the group's layout it names (the
+        one the group's last declaration left)."""
+        if req.specs is not None:
+            layout = Layout(collective.layout_digest(req.specs), req.specs)
+            if req.layout not in (None, layout.digest):
+                raise BadAdapter("'layout' is not the digest of 'tensors'", code="bad_request")
+            return layout
+        held = self.layouts.get(req.group_name)
+        if held is None or held.digest != req.layout:
+            raise BadAdapter(f"group {req.group_name!r} holds no layout {req.layout}: send "
+                             "'tensors'", code="layout_unknown")
+        return held
 
     def check_owner(self, group_name: str, token: str | None) -> None:
         """Only the client that created a group may load on it or destroy it."""
@@ -304,9 +334,10 @@ class BroadcastTransport(Transport):
                                             group.bucket_bytes)
         out = Outgoing(group, {
             "lora_name": ctx.name, "version": ctx.version, "adapter_config": adapter.config,
-            "tensors": [s.to_json() for s in specs], "group_name": group.name,
-            "bucket_bytes": group.bucket_bytes, "transfer_id": transfer.transfer_id,
-            "checksum": adapter.checksum() if ctx.checksum else None})
+            "tensors": [s.to_json() for s in specs], "layout": transfer.layout,
+            "group_name": group.name, "bucket_bytes": group.bucket_bytes,
+            "transfer_id": transfer.transfer_id,
+            "checksum": adapter.checksum() if ctx.checksum else None}, transfer.layout)
 
         # Packing copies the tensors anyway: where the client keeps what it pushed, it packs
         # into the client's buffer and the frames are that copy (one copy, not two).
@@ -333,13 +364,20 @@ class BroadcastTransport(Transport):
 
     def send(self, out: Outgoing, server: Server, ctx: SendContext) -> PushResult:
         t0 = time.perf_counter()
+        body = {**out.body, "group_token": out.group.tokens[server.url]}
+        if out.group.declared.get(server.url) == out.layout:
+            del body["tensors"]  # the server holds this layout for the group: named only
         reply, _ = http.call("POST", server.route(LOAD_ROUTE), headers=ctx.headers,
-                             json_body={**out.body, "group_token": out.group.tokens[server.url]},
-                             timeout=out.group.timeout_s + 60)
+                             json_body=body, timeout=out.group.timeout_s + 60)
         return PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                      ctx.version)
 
     def finish(self, out: Outgoing, results: list) -> PackedCopy | None:
+        for r in results:  # a server that took the push holds its layout
+            if r.ok:
+                out.group.declared[r.server] = out.layout
+            else:
+                out.group.declared.pop(r.server, None)
         if any(not r.ok for r in results):
             # A server refused or failed after the broadcast started: its peers' receive may
             # now be out of step, so the group cannot be trusted any more.
@@ -390,19 +428,24 @@ class BroadcastTransport(Transport):
     async def stage(self, req: DistributedLoadRequest, ctx: ServerContext) -> Staged:
         groups = ctx.state
         groups.check_owner(req.group_name, req.group_token)
-        if req.frames_nbytes > ctx.limits.max_body_bytes:  # what the workers allocate
-            raise PayloadTooLarge(f"the adapter is {req.frames_nbytes} bytes framed, above "
+        layout = groups.layout_of(req)
+        framed = layout.frames_nbytes(req.bucket_bytes)
+        if framed > ctx.limits.max_body_bytes:  # what the workers allocate
+            raise PayloadTooLarge(f"the adapter is {framed} bytes framed, above "
                                   f"the limit of {ctx.limits.max_body_bytes} "
                                   "(LORA_SYNC_MAX_BODY_MB)")
+        groups.layouts[req.group_name] = layout  # from now on a push may name it
 
         def forget_dropped(error: LoRASyncError) -> None:
             if error.code in ("transfer_mismatch", "transfer_failed"):  # workers dropped it
                 groups.forget(req.group_name)
-        return Staged(req.lora_name, req.version, req.config, req.specs, req.nbytes,
-                      req.checksum, {"group_name": req.group_name,
-                                     "specs": [s.to_json() for s in req.specs],
-                                     "bucket_bytes": req.bucket_bytes,
-                                     "transfer_id": req.transfer_id},
+        return Staged(req.lora_name, req.version, req.config, layout.specs,
+                      sum(s.nbytes for s in layout.specs), req.checksum,
+                      {"group_name": req.group_name, "layout": layout.digest,
+                       # the workers keep what was declared; a named layout is theirs already
+                       "specs": None if req.specs is None else
+                       [s.to_json() for s in layout.specs],
+                       "bucket_bytes": req.bucket_bytes, "transfer_id": req.transfer_id},
                       background_s=groups.timeouts.get(req.group_name, 120.0) + 30,
                       on_failure=forget_dropped)
 
@@ -417,14 +460,20 @@ class BroadcastTransport(Transport):
         """Receives the framed buckets into reused buffers (filling memory that is already
         mapped is several times cheaper than fresh pages; docs/protocol.md), checking the
         frames against the declaration before the tensors are used."""
-        group_name = intake.args["group_name"]
+        group_name, args = intake.args["group_name"], intake.args
         pg, device = pool.group(group_name)
-        transfer = collective.Transfer.plan(
-            [TensorSpec.from_json(s) for s in intake.args["specs"]],
-            intake.args["transfer_id"], intake.args["bucket_bytes"])
-        buffers = [pool.take_buffer(torch.uint8, b.frame_bytes, device)
-                   for b in transfer.buckets]
+        layout = pool.layouts.get(group_name)
+        if args["specs"] is not None:
+            layout = Layout(args["layout"], [TensorSpec.from_json(s) for s in args["specs"]])
+            pool.layouts[group_name] = layout
         try:
+            if layout is None or layout.digest != args["layout"]:  # (the API keeps in step)
+                raise collective.FrameMismatch(f"this worker holds no layout {args['layout']} "
+                                               f"for group {group_name!r}")
+            transfer = collective.Transfer.plan(layout.specs, args["transfer_id"],
+                                                args["bucket_bytes"], layout.digest)
+            buffers = [pool.take_buffer(torch.uint8, b.frame_bytes, device)
+                       for b in transfer.buckets]
             tensors = collective.receive_transfer(pg, transfer, buffers)
         except collective.FrameMismatch as e:  # the trainer is out of step: the group is too
             pool.destroy_group(group_name)
