@@ -40,6 +40,8 @@ LIMITS = {"tensors": (("http_post", "x_limit"), ("asgi_post", "x_asgi_limit")),
           "shm": (("memcpy", "x_limit"),),
           "broadcast": (("gloo_broadcast", "x_limit"),)}
 IDLE_S = 1.2
+# Issue #22's goals at the largest rank: each transport's speed-up over the disk route.
+GOALS = {"shm": 2.0, "broadcast": 1.5, "tensors": 1.2}
 
 
 def random_adapter(model_dir: Path, rank: int, dtype=torch.bfloat16, seed: int = 0) -> LoRAAdapter:
@@ -196,17 +198,18 @@ def soak(client, server, model_dir, rank: int, pushes: int, dtype: str, bar=None
 
 def bench_limits(model_dir, ranks, reps, dtype) -> list[dict]:
     """Raw memcpy / loopback HTTP POST (plain and through uvicorn + FastAPI) / gloo broadcast
-    of the same bytes."""
+    of the same bytes, each transfer from an idle pause as the pushes are."""
     samples = []
     for rank in ranks:
         nbytes = random_adapter(model_dir, rank, getattr(torch, dtype)).nbytes
         row = {"engine": "raw", "rank": rank, "bytes": nbytes}
-        for t in limits.gloo_broadcast_s([nbytes] * (reps + 1))[1:]:
+        for t in limits.gloo_broadcast_s([nbytes] * (reps + 1), IDLE_S)[1:]:
             samples.append({**row, "transport": "gloo_broadcast", "phases": {"total": t}})
         for transport, asgi in (("http_post", False), ("asgi_post", True)):
             with limits.HttpSink(asgi) as sink:
                 sink.post_s(nbytes)
                 for _ in range(reps):
+                    time.sleep(IDLE_S)
                     samples.append({**row, "transport": transport,
                                     "phases": {"total": sink.post_s(nbytes)}})
         for t in limits.memcpy_s(nbytes, reps):
@@ -431,8 +434,38 @@ def summarize(samples: list[dict]) -> list[dict]:
                 limit = med[("raw", raw, rank)]["total"] + registration
                 row[key] = row["median_s"] / limit
                 if key == "x_limit":
-                    row["limit_s"] = limit
+                    row["limit_s"], row["registration_s"] = limit, registration
+        goal = GOALS.get(row["transport"])
+        if goal and disk and "speedup_per_round" in row:
+            # The floor is the raw transfer plus the engine's own work: a goal whose time
+            # budget is below it cannot be met on this machine, whatever lora-sync does.
+            row["goal"] = {"ratio": goal, "budget_s": disk / goal,
+                           "met": row["speedup_per_round"]["median"] >= goal,
+                           "floor_s": row.get("limit_s"),
+                           "floor_within_budget": row.get("limit_s", math.inf) <= disk / goal}
     return rows
+
+
+def goals_report(rows: list[dict]) -> str:
+    """Each goal at the largest rank: met or not, its time budget against the floor."""
+    largest = max((r["rank"] for r in rows), default=0)
+    lines = []
+    for r in rows:
+        g = r.get("goal")
+        if r["rank"] != largest or g is None:
+            continue
+        floor = (f"floor {g['floor_s'] * 1e3:.1f} ms = raw transfer "
+                 f"{(g['floor_s'] - r['registration_s']) * 1e3:.1f} + engine "
+                 f"{r['registration_s'] * 1e3:.1f}, "
+                 f"{'within' if g['floor_within_budget'] else 'ABOVE'} the budget"
+                 if g["floor_s"] else "floor not measured")
+        lines.append(f"goal {r['engine']} {r['transport']} rank {r['rank']}: "
+                     f"{g['ratio']:.1f}x disk needs <= {g['budget_s'] * 1e3:.1f} ms; median "
+                     f"{r['median_s'] * 1e3:.1f} ms ({r['speedup_per_round']['median']:.2f}x, "
+                     f"{'met' if g['met'] else 'missed'}); {floor}")
+    text = "\n".join(lines)
+    print(text)
+    return text
 
 
 def _cell(value, spec: str, unit: str, scale: float = 1.0) -> str:
@@ -533,7 +566,7 @@ def main() -> None:
     soak_pushes = min(a.soak, 30) if a.quick else a.soak
     result = run(model_dir, ranks, reps, servers, Path(a.out), dtype, a.progress,
                  soak_pushes=soak_pushes)
-    text = print_table(result["summary"])
+    text = print_table(result["summary"]) + "\n" + goals_report(result["summary"])
     for m in result["memory"]:
         line = (f"{m['engine']} server RSS over {m['pushes']} pushes at rank {m['rank']}: "
                 f"{m['first_mb']:.0f} MB after 10, {m['last_mb']:.0f} MB at the end, max "

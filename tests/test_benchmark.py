@@ -2,7 +2,7 @@
 (no timing is asserted: performance is measured, not tested)."""
 import json
 
-from benchmarks.sync_bench import TRANSPORTS, print_table, run, soak
+from benchmarks.sync_bench import TRANSPORTS, goals_report, print_table, run, soak
 from lora_sync import LoRASyncClient
 
 
@@ -51,3 +51,8 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
     assert len(memory["rss_mb_every_10"]) == 2 and memory["max_mb"] >= memory["first_mb"] > 0
     assert (out / "results.png").stat().st_size > 0
     assert "tensors" in print_table(result["summary"])
+    report = goals_report(result["summary"])
+    for engine in ("vllm", "sglang"):
+        goal = rows[(engine, "broadcast")]["goal"]
+        assert goal["ratio"] == 1.5 and goal["floor_s"] > 0 and goal["budget_s"] > 0
+        assert f"goal {engine} broadcast rank 8: 1.5x disk" in report
