@@ -1,12 +1,13 @@
 """A broadcast names a layout its group declared before instead of listing every tensor
-again (transports/broadcast.py, GroupLayouts): in process, on the FAKE engine (see
+again (transports/broadcast.py, Groups.layout_of): in process, on the FAKE engine (see
 tests/engine_fakes.py; test_broadcast.py pushes the same way to real vLLM and SGLang and
 checks their tokens against disk).
 
 The rule, held by construction: what the workers receive into is always a declaration the
 group's owner made over HTTP and the server checked (size limit, model); a push can name only
-its own group's last declaration, and a push that names anything else is refused with a 400
-before any worker is asked to receive."""
+the layout its own group's last successful push declared (a refused push changes nothing),
+and a push that names anything else is refused with a 400 before any worker is asked to
+receive."""
 from __future__ import annotations
 
 import itertools
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from lora_sync import LoRASyncClient, collective, http
 from lora_sync.adapter import check_adapter
+from lora_sync.wire import TensorSpec
 
 from .engine_fakes import text_of, tiny_model_spec, weights_digest
 from .helpers import AUTH, greedy
@@ -73,12 +75,15 @@ NOT_INTS = ["abc", 1.5, True, [1], {"a": 1}, -1, 2 ** 64]
               st.booleans()),
     st.tuples(st.just("contradict"), st.sampled_from([8, 16]), st.booleans()),
     st.tuples(st.just("bad_field"), st.sampled_from(NOT_INTS), st.booleans()),
+    st.tuples(st.just("refused"), st.sampled_from(["unknown_module", "rank"]), st.booleans()),
 ), min_size=1, max_size=8))
 def test_a_push_can_name_only_a_layout_its_group_holds(fake_server, make_adapter, ops):
     """Random sequences of honest pushes (two layouts) and raw requests by the group's owner
     that name a layout the group does not hold (a random digest, one it held earlier, the
     other group's), in its own group or the other one; whose `layout` contradicts its
-    `tensors`; or whose `layout` is not a 64-bit unsigned integer. Invariant after every
+    `tensors`; whose `layout` is not a 64-bit unsigned integer; or that declare tensors the
+    server refuses once it has read them (a module the model lacks, a rank above its
+    limit). Invariant after every
     step: a raw request is a 400 and no worker is asked to receive; the honest client's next
     push still lands (its group stays in step); the name serves exactly the last honest
     push."""
@@ -119,6 +124,13 @@ def test_a_push_can_name_only_a_layout_its_group_holds(fake_server, make_adapter
                 specs = make_adapter(1, rank=a).specs()
                 body["tensors"] = [s.to_json() for s in specs]
                 body["layout"] = collective.layout_digest(specs) ^ (1 if b else 2)
+            elif op == "refused":  # a declaration the server refuses after reading it
+                specs = make_adapter(1, rank=128).specs() if a == "rank" else \
+                    [TensorSpec("base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
+                                "F32", (8, 128))]
+                body["tensors"] = [s.to_json() for s in specs]
+                if b:
+                    body["layout"] = collective.layout_digest(specs)
             else:
                 body["layout"] = a
                 if b:

@@ -241,6 +241,8 @@ class AdapterService:
             cfg = check_adapter(staged.specs, staged.config, await self.model_spec())
             reply = await self._install(transport.name, staged, cfg, t0)
             kept = True  # the workers may use what the version holds: it goes with it
+            if staged.on_success is not None:
+                staged.on_success()
         except LoRASyncError as e:
             if staged.on_failure is not None:
                 staged.on_failure(e)

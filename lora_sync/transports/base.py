@@ -162,6 +162,7 @@ class Staged:
     background_s: float | None = None  # workers take it in on a thread, within this
     timings_ms: dict = field(default_factory=dict)
     on_failure: Callable | None = None  # (LoRASyncError) -> None, after a failed install
+    on_success: Callable | None = None  # () -> None, once the version is installed
 
     def intake(self, transport: str, adapter_id: int, config: dict) -> IntakeRequest:
         return IntakeRequest(transport, adapter_id, config, self.checksum, self.intake_args)

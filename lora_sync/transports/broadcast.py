@@ -14,7 +14,7 @@ declaration before it is used (collective.Transfer): a mismatch drops the group 
 the push with a 400, and the previous versions keep serving. A declaration (the tensors'
 names, dtypes and shapes) is sent once per group and layout: the server and its workers keep
 the group's last one, and a push of the same layout names it by its digest (`layout`)
-instead of listing 336 tensors again (GroupLayouts)."""
+instead of listing 336 tensors again (Groups.layout_of)."""
 from __future__ import annotations
 
 import asyncio
@@ -246,20 +246,21 @@ class Layout:
 
 @dataclass
 class Groups:
-    """The server's view of its update groups: each one's timeout, ownership token and last
-    declared layout."""
+    """The server's view of its update groups: each one's timeout, ownership token, the
+    layout its last successful push declared (what a push may name) and, while known, the
+    layout each of its workers holds."""
     timeouts: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
     layouts: dict[str, Layout] = field(default_factory=dict)
+    listed_to_workers: dict[str, int] = field(default_factory=dict)
 
     def forget(self, group_name: str) -> None:
-        self.timeouts.pop(group_name, None)
-        self.tokens.pop(group_name, None)
-        self.layouts.pop(group_name, None)
+        for held in (self.timeouts, self.tokens, self.layouts, self.listed_to_workers):
+            held.pop(group_name, None)
 
     def layout_of(self, req: DistributedLoadRequest) -> Layout:
-        """The tensors a push declares: its own list, or the group's layout it names (the
-        one the group's last declaration left)."""
+        """The tensors a push declares: its own list, or the layout it names, which must be
+        the one the group's last successful push declared (a refused push changes nothing)."""
         if req.specs is not None:
             layout = Layout(collective.layout_digest(req.specs), req.specs)
             if req.layout not in (None, layout.digest):
@@ -434,20 +435,27 @@ class BroadcastTransport(Transport):
             raise PayloadTooLarge(f"the adapter is {framed} bytes framed, above "
                                   f"the limit of {ctx.limits.max_body_bytes} "
                                   "(LORA_SYNC_MAX_BODY_MB)")
-        groups.layouts[req.group_name] = layout  # from now on a push may name it
+        # Each worker keeps the last list it was sent. It is known to be this layout only
+        # when the group's last successful push had it and no list went out since.
+        listed = req.specs is not None or \
+            groups.listed_to_workers.get(req.group_name) != layout.digest
+        if listed:
+            groups.listed_to_workers.pop(req.group_name, None)
 
         def forget_dropped(error: LoRASyncError) -> None:
             if error.code in ("transfer_mismatch", "transfer_failed"):  # workers dropped it
                 groups.forget(req.group_name)
+
+        def declared() -> None:  # from now on a push may name it
+            groups.layouts[req.group_name] = layout
+            groups.listed_to_workers[req.group_name] = layout.digest
         return Staged(req.lora_name, req.version, req.config, layout.specs,
                       sum(s.nbytes for s in layout.specs), req.checksum,
                       {"group_name": req.group_name, "layout": layout.digest,
-                       # the workers keep what was declared; a named layout is theirs already
-                       "specs": None if req.specs is None else
-                       [s.to_json() for s in layout.specs],
+                       "specs": [s.to_json() for s in layout.specs] if listed else None,
                        "bucket_bytes": req.bucket_bytes, "transfer_id": req.transfer_id},
                       background_s=groups.timeouts.get(req.group_name, 120.0) + 30,
-                      on_failure=forget_dropped)
+                      on_failure=forget_dropped, on_success=declared)
 
     async def destroy(self, req: GroupRef, ctx: ServerContext) -> dict:
         ctx.state.check_owner(req.group_name, req.group_token)
