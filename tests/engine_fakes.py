@@ -97,6 +97,12 @@ def tiny_model_spec(max_rank: int = MAX_LORA_RANK) -> ModelSpec:
     return ModelSpec.from_hf_config(LlamaConfig(**TINY_CONFIG), max_rank)
 
 
+def served_text(adapter: LoRAAdapter) -> str:
+    """What the fake engine answers for these weights (whatever name they are pushed under)."""
+    cfg = check_adapter(adapter.specs(), adapter.config, tiny_model_spec())
+    return text_of(weights_digest(adapter.tensors, cfg))
+
+
 # -- the worker side ------------------------------------------------------------------------
 class FakeWorkerEngine(WorkerEngine):
     """One fake engine worker. `refuse(adapter_id, stored) -> reason or None` lets a test

@@ -17,19 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_sync import LoRASyncClient, collective, http
-from lora_sync.adapter import check_adapter
 from lora_sync.wire import TensorSpec
 
-from .engine_fakes import text_of, tiny_model_spec, weights_digest
+from .engine_fakes import served_text
 from .helpers import AUTH, greedy
 
 LOAD = "load_lora_adapter_from_distributed"
-
-
-def served_text(adapter) -> str:
-    """What the fake engine answers for these weights."""
-    cfg = check_adapter(adapter.specs(), adapter.config, tiny_model_spec())
-    return text_of(weights_digest(adapter.tensors, cfg))
+RUNS = itertools.count()  # each example's own names and groups
 
 
 @pytest.fixture
@@ -83,10 +77,9 @@ def test_a_push_can_name_only_a_layout_its_group_holds(fake_server, make_adapter
     other group's), in its own group or the other one; whose `layout` contradicts its
     `tensors`; whose `layout` is not a 64-bit unsigned integer; or that declare tensors the
     server refuses once it has read them (a module the model lacks, a rank above its
-    limit). Invariant after every
-    step: a raw request is a 400 and no worker is asked to receive; the honest client's next
-    push still lands (its group stays in step); the name serves exactly the last honest
-    push."""
+    limit). Invariant after every step: a raw request is a 400 and no worker is asked to
+    receive; the honest client's next push still lands (its group stays in step); the name
+    serves exactly the last honest push."""
     bridge, url = fake_server.bridge, fake_server.url
     run = next(RUNS)
     name = f"lo{run}"
@@ -145,5 +138,3 @@ def test_a_push_can_name_only_a_layout_its_group_holds(fake_server, make_adapter
         assert greedy(mine, name) == served_text(last)
         assert not bridge.violations, bridge.violations
 
-
-RUNS = itertools.count()

@@ -28,12 +28,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import torch
 
 from lora_sync import (BadAdapter, LoRAAdapter, LoRASyncClient, LoRASyncError, NotFound,
-                       Unauthorized, VersionConflict, check_adapter, http, wire)
+                       Unauthorized, VersionConflict, http, wire)
 from lora_sync.trainer.fleet import FleetMemory
 from lora_sync.transports import shm
 
 from .conftest import SERVER_ENV
-from .engine_fakes import BASE_TEXT, text_of, tiny_model_spec, weights_digest
+from .engine_fakes import BASE_TEXT, served_text
 from .helpers import (AUTH, PROMPT, Background, bad_bodies, blackhole, body_of, greedy,
                       post_body, try_to_take_a_group, versions_of, wait_until)
 
@@ -47,12 +47,6 @@ INIT_GROUP = "init_lora_update_group"
 # -- helpers ------------------------------------------------------------------------------
 def route(client, name: str) -> str:
     return client.servers[0].route(name)
-
-
-def served_text(adapter) -> str:
-    """What the fake engine answers for these weights (whatever name they are pushed under)."""
-    cfg = check_adapter(adapter.specs(), adapter.config, tiny_model_spec())
-    return text_of(weights_digest(adapter.tensors, cfg))
 
 
 def listing(client, name: str) -> dict | None:

@@ -170,12 +170,10 @@ def test_cpu_tree_attention_matches_plain_attention(model_dir):
 
 # -- in-process: versions and pushes on the fake engine ------------------------------------
 def served_text(model):
-    from lora_sync import LoRAAdapter, check_adapter
+    from lora_sync import LoRAAdapter
 
-    from .engine_fakes import text_of, tiny_model_spec, weights_digest
-    adapter = LoRAAdapter.from_peft_model(model)
-    cfg = check_adapter(adapter.specs(), adapter.config, tiny_model_spec())
-    return text_of(weights_digest(adapter.tensors, cfg))
+    from . import engine_fakes
+    return engine_fakes.served_text(LoRAAdapter.from_peft_model(model))
 
 
 def held(client, name):

@@ -124,7 +124,6 @@ class Outgoing:
     """One broadcast under way: the metadata every server gets, and the collective send."""
     group: TrainerGroup
     body: dict
-    layout: int = 0
     sent: threading.Event = field(default_factory=threading.Event)
     packed: threading.Event = field(default_factory=threading.Event)
     errors: list = field(default_factory=list)
@@ -247,16 +246,18 @@ class Layout:
 @dataclass
 class Groups:
     """The server's view of its update groups: each one's timeout, ownership token, the
-    layout its last successful push declared (what a push may name) and, while known, the
-    layout each of its workers holds."""
+    layout its last successful push declared (what a push may name) and whether its workers
+    are known to hold that layout."""
     timeouts: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
     layouts: dict[str, Layout] = field(default_factory=dict)
-    listed_to_workers: dict[str, int] = field(default_factory=dict)
+    # Groups whose workers hold the group's layout: the last push that reached them had it.
+    workers_hold: set[str] = field(default_factory=set)
 
     def forget(self, group_name: str) -> None:
-        for held in (self.timeouts, self.tokens, self.layouts, self.listed_to_workers):
+        for held in (self.timeouts, self.tokens, self.layouts):
             held.pop(group_name, None)
+        self.workers_hold.discard(group_name)
 
     def layout_of(self, req: DistributedLoadRequest) -> Layout:
         """The tensors a push declares: its own list, or the layout it names, which must be
@@ -338,7 +339,7 @@ class BroadcastTransport(Transport):
             "tensors": [s.to_json() for s in specs], "layout": transfer.layout,
             "group_name": group.name, "bucket_bytes": group.bucket_bytes,
             "transfer_id": transfer.transfer_id,
-            "checksum": adapter.checksum() if ctx.checksum else None}, transfer.layout)
+            "checksum": adapter.checksum() if ctx.checksum else None})
 
         # Packing copies the tensors anyway: where the client keeps what it pushed, it packs
         # into the client's buffer and the frames are that copy (one copy, not two).
@@ -366,7 +367,7 @@ class BroadcastTransport(Transport):
     def send(self, out: Outgoing, server: Server, ctx: SendContext) -> PushResult:
         t0 = time.perf_counter()
         body = {**out.body, "group_token": out.group.tokens[server.url]}
-        if out.group.declared.get(server.url) == out.layout:
+        if out.group.declared.get(server.url) == body["layout"]:
             del body["tensors"]  # the server holds this layout for the group: named only
         reply, _ = http.call("POST", server.route(LOAD_ROUTE), headers=ctx.headers,
                              json_body=body, timeout=out.group.timeout_s + 60)
@@ -376,7 +377,7 @@ class BroadcastTransport(Transport):
     def finish(self, out: Outgoing, results: list) -> PackedCopy | None:
         for r in results:  # a server that took the push holds its layout
             if r.ok:
-                out.group.declared[r.server] = out.layout
+                out.group.declared[r.server] = out.body["layout"]
             else:
                 out.group.declared.pop(r.server, None)
         if any(not r.ok for r in results):
@@ -435,12 +436,11 @@ class BroadcastTransport(Transport):
             raise PayloadTooLarge(f"the adapter is {framed} bytes framed, above "
                                   f"the limit of {ctx.limits.max_body_bytes} "
                                   "(LORA_SYNC_MAX_BODY_MB)")
-        # Each worker keeps the last list it was sent. It is known to be this layout only
-        # when the group's last successful push had it and no list went out since.
-        listed = req.specs is not None or \
-            groups.listed_to_workers.get(req.group_name) != layout.digest
+        # Each worker keeps the last list it was sent: a named layout is the group's, which
+        # the workers hold unless a list went out since the last successful push.
+        listed = req.specs is not None or req.group_name not in groups.workers_hold
         if listed:
-            groups.listed_to_workers.pop(req.group_name, None)
+            groups.workers_hold.discard(req.group_name)
 
         def forget_dropped(error: LoRASyncError) -> None:
             if error.code in ("transfer_mismatch", "transfer_failed"):  # workers dropped it
@@ -448,7 +448,7 @@ class BroadcastTransport(Transport):
 
         def declared() -> None:  # from now on a push may name it
             groups.layouts[req.group_name] = layout
-            groups.listed_to_workers[req.group_name] = layout.digest
+            groups.workers_hold.add(req.group_name)
         return Staged(req.lora_name, req.version, req.config, layout.specs,
                       sum(s.nbytes for s in layout.specs), req.checksum,
                       {"group_name": req.group_name, "layout": layout.digest,
