@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -139,6 +140,9 @@ def _no_duplicates(pairs):
     return seen
 
 
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)
+
+
 def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header:
     """Parses and checks a safetensors header. `buf` must hold at least the header;
     `body_len` (default len(buf)) is the full body size the data offsets must match."""
@@ -146,8 +150,60 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
     if len(buf) < hlen:
         raise BadAdapter(f"body is not a safetensors file: header claims {hlen - 8} bytes "
                          f"but only {len(buf) - 8} were sent", code="bad_safetensors")
+    text = bytes(buf[8:hlen])
+    split = _split_metadata(text)
+    known = _KNOWN_ENTRIES.get(split[1]) if split is not None else None
+    if known is not None:
+        meta, (specs, offsets, pos) = split[0], known
+    else:
+        meta, specs, offsets, pos = _parse_whole(text)
+        if split is not None:
+            _remember(split[1], (specs, offsets, pos))
+    body_len = len(buf) if body_len is None else body_len
+    if hlen + pos != body_len:
+        raise BadAdapter(f"body has {body_len - hlen} data bytes but the header describes "
+                         f"{pos} (truncated or padded body)", code="bad_safetensors")
+    return Header(meta, list(specs), list(offsets), hlen)
+
+
+# A trainer pushes the same tensors every step, only `__metadata__` (name, version) changes:
+# the checked entries of the last few headers are kept, keyed by the header's text after its
+# metadata (336 entries at rank 64: 1 ms to check, in the API process and in each worker).
+_META_PREFIX = '{"__metadata__":'
+_KNOWN_ENTRIES: dict[str, tuple] = {}
+_KNOWN_MAX = 4
+_KNOWN_MAX_CHARS = 1 << 20  # ~8000 tensors; a longer header is checked whole every time
+_KNOWN_LOCK = threading.Lock()  # headers are parsed on the event loop's threads
+
+
+def _split_metadata(text: bytes) -> tuple[dict, str] | None:
+    """(checked metadata, the text after it) for a header that starts `{"__metadata__":`, as
+    `layout` writes it; None for any other (parsed whole)."""
     try:
-        raw = json.loads(bytes(buf[8:hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+        doc = text.decode("utf-8")
+        if not doc.startswith(_META_PREFIX):
+            return None
+        meta, end = _DECODER.raw_decode(doc, len(_META_PREFIX))
+    except Exception:  # noqa: BLE001 - parsed whole, which names the problem
+        return None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return None
+    return meta, doc[end:]
+
+
+def _remember(rest: str, entries: tuple) -> None:
+    if len(rest) > _KNOWN_MAX_CHARS:
+        return
+    with _KNOWN_LOCK:
+        if len(_KNOWN_ENTRIES) >= _KNOWN_MAX:
+            del _KNOWN_ENTRIES[next(iter(_KNOWN_ENTRIES))]  # the oldest
+        _KNOWN_ENTRIES[rest] = entries
+
+
+def _parse_whole(text: bytes) -> tuple[dict, list, list, int]:
+    """(metadata, specs, offsets, data bytes) of a header's JSON text, every entry checked."""
+    try:
+        raw = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except BadAdapter:
         raise
     except Exception as e:  # not UTF-8, not JSON, or nested too deeply (RecursionError)
@@ -187,11 +243,7 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
             raise BadAdapter(f"tensor {spec.name!r}: data is not contiguous (gap or overlap "
                              f"at byte {begin})", code="bad_safetensors")
         pos = end
-    body_len = len(buf) if body_len is None else body_len
-    if hlen + pos != body_len:
-        raise BadAdapter(f"body has {body_len - hlen} data bytes but the header describes "
-                         f"{pos} (truncated or padded body)", code="bad_safetensors")
-    return Header(meta, [e[2] for e in entries], [(e[0], e[1]) for e in entries], hlen)
+    return meta, [e[2] for e in entries], [(e[0], e[1]) for e in entries], pos
 
 
 def view_tensors(buf, header: Header, data_only: bool = False) -> dict[str, torch.Tensor]:

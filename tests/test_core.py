@@ -257,6 +257,34 @@ def test_parse_header_refuses_corrupt_bodies(mutate, code):
     assert e.value.code == code
 
 
+_SETS = [lora(), lora(r=8), lora(dtype=torch.bfloat16)]
+_PREFIX = b'{"__metadata__":'
+# Each set's header text after an empty `__metadata__` (what a trainer sends every step).
+_ENTRIES = [wire.layout(t, {})[0][8 + len(_PREFIX) + 2:] for t in _SETS]
+_DATA = [sum(t.numel() * t.element_size() for t in s.values()) for s in _SETS]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.one_of(st.text(max_size=12), st.integers()),
+                          st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)),
+                                   max_size=2)), min_size=1, max_size=10))
+def test_parsing_a_header_again_gives_what_a_first_parse_gives(pushes):
+    """parse_header keeps the checked entries of recent headers (a trainer sends the same
+    tensors with new metadata every step). Over random sequences of headers (three tensor
+    sets, random metadata, random bytes changed after the metadata) every parse has the
+    outcome of a parse that knows no earlier header: the same Header, or the same refusal."""
+    from unittest import mock
+    for which, value, changes in pushes:
+        meta = json.dumps({"lora_name": value}, separators=(",", ":")).encode()
+        text = bytearray(_PREFIX + meta + _ENTRIES[which])
+        for at, byte in changes:
+            text[len(_PREFIX) + len(meta) + at % len(_ENTRIES[which])] = byte
+        header = len(text).to_bytes(8, "little") + bytes(text)
+        seen = _outcome(lambda: wire.parse_header(header, len(header) + _DATA[which]))
+        with mock.patch.dict(wire._KNOWN_ENTRIES, clear=True):
+            assert seen == _outcome(lambda: wire.parse_header(header, len(header) + _DATA[which]))
+
+
 def test_parse_header_refuses_int_tensors():
     body = st_save({"w": torch.ones(2, dtype=torch.int32)})
     with pytest.raises(BadAdapter, match="dtype"):

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -1087,6 +1088,55 @@ def test_a_commit_waits_for_the_trainers_unmap_then_seals_what_is_there(fake_cli
             mmap.mmap(fd, granted.nbytes)
     finally:
         os.close(fd)
+
+
+class _TrainerDied(Exception):
+    pass
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(copied=st.integers(0, 200), seed=st.integers(0, 2 ** 16))
+def test_a_commit_ahead_of_its_copy_serves_only_a_whole_file(fake_client, make_adapter,
+                                                             copied, seed):
+    """A push into a ready lease commits first and copies while the server waits for its
+    seal (ShmTransport._commit). Whenever the copy stops (`copied` tensors in: it failed, or
+    the trainer died and its mapping went with it) the server seals a lease whose header
+    length was never stored (the last store) and refuses it: the push fails with the copy's
+    own error, the previous version keeps serving and the next push lands."""
+    c = fake_client
+    c.push(make_adapter(seed=seed), "ahead", transport="shm")  # readies the next lease
+    before, held = greedy(c, "ahead"), versions_of(c, "ahead")
+    new = make_adapter(seed=seed + 1)
+    stores, refusals = [0], []
+    real_memmove, real_post = shm._memmove, shm._post
+
+    def dies_midway(copies):
+        for copy in copies:
+            if stores[0] >= copied:
+                raise _TrainerDied(f"stopped after {copied} tensors")
+            real_memmove([copy])
+            stores[0] += 1
+
+    def post(server, route, ctx, body, on_sent=None):
+        try:
+            return real_post(server, route, ctx, body, on_sent)
+        except LoRASyncError as e:
+            refusals.append((route, on_sent is not None, e.code))
+            raise
+    whole = copied >= len(new.tensors)
+    with mock.patch.object(shm, "_memmove", dies_midway), mock.patch.object(shm, "_post", post):
+        if whole:
+            c.push(new, "ahead", transport="shm")
+        else:
+            with pytest.raises(_TrainerDied):
+                c.push(new, "ahead", transport="shm")
+    if whole:
+        assert greedy(c, "ahead") == served_text(new) and not refusals
+        return
+    assert refusals == [(shm.COMMIT_ROUTE, True, "bad_safetensors")]
+    assert versions_of(c, "ahead") == held and greedy(c, "ahead") == before
+    c.push(new, "ahead", transport="shm")
+    assert greedy(c, "ahead") == served_text(new)
 
 
 def test_abused_leases_are_refused_and_change_nothing(fake_client, make_adapter):

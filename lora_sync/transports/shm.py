@@ -233,28 +233,39 @@ class LeaseTable:
             os.close(held.fd)
 
 
-# How long a commit waits for the trainer's writable mapping to go. A waiting commit holds
-# one thread of the event loop's default pool; leases (so commits) are bounded per client.
+# How long a commit waits for the trainer's writable mapping to go: the trainer commits
+# first and copies meanwhile (`write_then_unmap`), so the wait grows with the lease (70 MB
+# copy in 5-6 ms here, 18 ms device to host; the allowance is 1 s per 256 MiB more). A waiting
+# commit holds one thread of the event loop's default pool; leases (so commits) are bounded
+# per client.
 SEAL_WAIT_S = 1.0
+SEAL_WAIT_BYTES_PER_S = 256 << 20
+
+
+def seal_wait_s(nbytes: int) -> float:
+    return SEAL_WAIT_S + nbytes / SEAL_WAIT_BYTES_PER_S
 
 
 def seal_and_read_header(fd: int, nbytes: int) -> wire.Header:
-    """Seals a lease's memfd and returns its checked header. The trainer commits while its
-    unmap still runs (`write_then_unmap`): while a writable mapping exists (EBUSY) the seal
-    is retried every 0.2 ms for at most SEAL_WAIT_S, then the EBUSY stands. Meanwhile the
-    header is parsed ahead (about 2 ms at rank 64, what the wait takes); it is used only if
-    the sealed file holds those very header bytes, so what is served is what was sealed."""
+    """Seals a lease's memfd and returns its checked header. The trainer commits before its
+    copy into the lease (`ShmTransport._commit`): while its writable mapping exists (EBUSY)
+    the seal is retried every 0.2 ms for at most `seal_wait_s`, then the EBUSY stands. A
+    header readable meanwhile is parsed ahead (its length is the trainer's last store, so
+    that is while the unmap runs); it is used only if the sealed file holds those very
+    header bytes, so what is served is what was sealed."""
     if _try_seal(fd):
         return read_header(fd, nbytes)
-    deadline = time.monotonic() + SEAL_WAIT_S
-    try:
-        raw = _raw_header(fd)
-        ahead = wire.parse_header(raw, nbytes)
-    except LoRASyncError:  # maybe not written yet: checked again once sealed
-        raw = ahead = None
+    deadline = time.monotonic() + seal_wait_s(nbytes)
+    raw = ahead = None
     while not _try_seal(fd):
         if time.monotonic() > deadline:
             raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        if ahead is None:
+            try:
+                raw = _raw_header(fd)
+                ahead = wire.parse_header(raw, nbytes)
+            except LoRASyncError:  # not written yet: checked again once sealed
+                raw = ahead = None
         time.sleep(0.0002)
     sealed = _raw_header(fd)
     return ahead if sealed == raw else wire.parse_header(sealed, nbytes)
@@ -348,12 +359,18 @@ def write_mapped(mapping: mmap.mmap, chunks: list, pin: HostPin | None = None) -
 
 
 def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = None) -> Future:
-    """Copies the safetensors file (`chunks`) into a mapped lease and returns once every byte
-    is in, with the unmap (and the release of its CUDA registration, `pin`) still running
-    on the client's unmap thread: the returned future is done once the mapping is gone. The
-    caller commits meanwhile, and the server's seal waits for the unmap
+    """Copies the safetensors file (`chunks`: header bytes first) into a mapped lease and
+    returns once every byte is in, with the unmap (and the release of its CUDA
+    registration, `pin`) still running on the client's unmap thread: the returned future is
+    done once the mapping is gone. The server's seal waits for the unmap
     (`seal_and_read_header`): off the push's path (70 MB: 4-5 ms in 4 KiB pages, 0.3 ms in
     the huge pages of a lease readied ahead).
+
+    The file's first 8 bytes, its header's length, are stored last. Until then the lease
+    starts with the server's random probe and zeros, which no parse takes for a header: a
+    lease that loses its mapping before the copy is complete (the copy failed, the trainer
+    died) is refused at commit, never served half-written. That is what lets the client
+    commit while it copies (`ShmTransport._commit_while_copying`).
 
     Host tensors go in with plain memcpy (ctypes.memmove, which lets go of the GIL), not
     torch's copy: on a thread other than the trainer's, torch starts a second OpenMP team
@@ -361,6 +378,7 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
     that way, 8-9 ms as a memcpy). GPU tensors go device to host in a few packed copies
     (device_copy.py)."""
     try:
+        lead = _header_lead(chunks)
         anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address, while it lives
         base = ctypes.addressof(anchor)
         try:
@@ -376,19 +394,29 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
                     sources.append(src)  # alive until copied
                     copies.append((base + offset, src.data_ptr(), n))
                 else:
-                    mapping[offset:offset + n] = chunk
+                    start = len(lead) if offset == 0 else 0
+                    mapping[offset + start:offset + n] = chunk[start:]
                 offset += n
             if on_gpu:
                 # a view of the address, not of the mapping: it must not pin the mapping open
                 view = (ctypes.c_ubyte * len(mapping)).from_address(base)
                 copy_to_host(torch.frombuffer(view, dtype=torch.uint8), on_gpu)
             _memmove_all(copies)
+            mapping[:len(lead)] = lead  # last: the file is whole from here on
         finally:
             del anchor
     except BaseException:
         _unmap(mapping, pin)
         raise
     return _UNMAPPER.submit(_unmap, mapping, pin)
+
+
+def _header_lead(chunks: list) -> bytes:
+    """The file's first 8 bytes (the header's length), from its first chunk: header bytes."""
+    first = chunks[0] if chunks else b""
+    if isinstance(first, torch.Tensor) or len(first) < 8:
+        raise ValueError("a lease's file starts with its header's bytes")
+    return bytes(first[:8])
 
 
 def _unmap(mapping: mmap.mmap, pin: HostPin | None) -> None:
@@ -484,9 +512,39 @@ def total_bytes(chunks: list) -> int:
     return sum(_nbytes(c) for c in chunks)
 
 
-def _post(server: Server, route: str, ctx: SendContext, body: dict) -> tuple[dict, dict]:
+def _post(server: Server, route: str, ctx: SendContext, body: dict,
+          on_sent=None) -> tuple[dict, dict]:
     return http.call("POST", server.route(route), headers=ctx.headers, timeout=ctx.timeout,
-                     json_body=body)
+                     json_body=body, on_sent=on_sent)
+
+
+class _CopyOnSent:
+    """The copy into a ready lease, run once the commit request has left (`run`, called by
+    the HTTP call); `finish` waits for the unmap and raises the copy's own error. A copy
+    that never ran unmaps untouched: the server then refuses the lease (no header)."""
+
+    def __init__(self, mapping: mmap.mmap, chunks: list, pin: HostPin | None):
+        self.mapping, self.chunks, self.pin = mapping, chunks, pin
+        self.unmapping: Future | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.unmapping = write_then_unmap(self.mapping, self.chunks, self.pin)
+        except BaseException as e:  # noqa: BLE001 - raised by finish, after the reply
+            self.error = e  # write_then_unmap has unmapped: the lease has no header
+        self.seconds = time.perf_counter() - t0
+
+    def finish(self) -> None:
+        if self.unmapping is None and self.error is None:
+            self.unmapping = _UNMAPPER.submit(_unmap, self.mapping, self.pin)  # never ran
+        if self.unmapping is not None:
+            self.unmapping.result()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 class LeaseRefused(TooBusy):
@@ -536,15 +594,15 @@ class ShmTransport(Transport):
         ready = ctx.ready.take(server, ctx.name, nbytes)
         if ready is None:
             return None
-        t1 = time.perf_counter()
-        unmapping = write_then_unmap(ready.mapping, parts, ready.pin)
+        copy = _CopyOnSent(ready.mapping, parts, ready.pin)
         try:
-            return self._commit(ready.lease, ready.read_fd, server, ctx, t0, t1)
+            return self._commit(ready.lease, ready.read_fd, server, ctx, t0,
+                                time.perf_counter(), copy)
         except NotFound:  # it expired (the trainer slept through its renewals) or restarted
             return None
         finally:
             os.close(ready.read_fd)
-            unmapping.result()
+            copy.finish()
 
     def _send_fresh(self, parts, server, ctx, nbytes) -> PushResult | None:
         t0 = time.perf_counter()
@@ -567,16 +625,24 @@ class ShmTransport(Transport):
             os.close(read_fd)
 
     @staticmethod
-    def _commit(lease: Lease, read_fd: int, server, ctx, t0: float, t1: float) -> PushResult:
-        """The commit call, once the lease is written (`t0`-`t1` was getting it). With
-        `ctx.keep`, the result keeps the file as the server holds it (`kept`): the sealed
-        lease mapped read-only, no copy (its tensors: `view_mapped`)."""
+    def _commit(lease: Lease, read_fd: int, server, ctx, t0: float, t1: float,
+                copy: "_CopyOnSent | None" = None) -> PushResult:
+        """The commit call (`t0`-`t1` was getting the lease). Without `copy` the lease is
+        written already; with it, the copy into the mapped lease runs once the request has
+        left, while the server takes it up to the seal, which waits for the unmap (see
+        `write_then_unmap` for why a commit ahead of its bytes is safe). With `ctx.keep`,
+        the result keeps the file as the server holds it (`kept`): the sealed lease mapped
+        read-only, no copy (its tensors: `view_mapped`)."""
         t2 = time.perf_counter()
-        reply, _ = _post(server, COMMIT_ROUTE, ctx, lease.ticket())
+        reply, _ = _post(server, COMMIT_ROUTE, ctx, lease.ticket(),
+                         on_sent=copy.run if copy is not None else None)
+        if copy is not None:
+            copy.finish()  # its error, not the server's refusal of the incomplete lease
         result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                        ctx.version)
         timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
-        timings.update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)  # trainer side
+        write_ms = copy.seconds * 1e3 if copy is not None else (t2 - t1) * 1e3
+        timings.update(lease=(t1 - t0) * 1e3, write=write_ms)  # trainer side
         if ctx.keep:
             result.kept = map_read_only(read_fd)
         return result
