@@ -8,6 +8,7 @@ The output is byte-compatible with `safetensors.torch.save` / `load`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import threading
@@ -47,10 +48,14 @@ class TensorSpec:
 
     @classmethod
     def of(cls, name: str, t: torch.Tensor) -> "TensorSpec":
-        if t.dtype not in DTYPE_TAGS:
-            raise BadAdapter(f"tensor {name!r} has dtype {t.dtype}; LoRA weights must be "
+        return cls.of_torch(name, t.dtype, tuple(t.shape))
+
+    @classmethod
+    def of_torch(cls, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> "TensorSpec":
+        if dtype not in DTYPE_TAGS:
+            raise BadAdapter(f"tensor {name!r} has dtype {dtype}; LoRA weights must be "
                              f"one of {sorted(DTYPES)}", code="bad_dtype")
-        return cls(name, DTYPE_TAGS[t.dtype], tuple(t.shape))
+        return cls(name, DTYPE_TAGS[dtype], shape)
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorSpec":
@@ -95,16 +100,26 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
     """The safetensors file as [header bytes, tensor, tensor, ...]: each tensor's bytes
     follow in order (the same-host transport copies them, from any device, into place)."""
-    header: dict = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
-    offset = 0
-    for name, t in tensors.items():
-        spec = TensorSpec.of(name, t)
-        header[name] = {"dtype": spec.dtype, "shape": list(spec.shape),
-                        "data_offsets": [offset, offset + spec.nbytes]}
-        offset += spec.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    meta = json.dumps({"__metadata__": {k: str(v) for k, v in metadata.items()}},
+                      separators=(",", ":"))
+    raw = (meta[:-1] + _entries_json(tuple((name, t.dtype, tuple(t.shape))
+                                           for name, t in tensors.items()))).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
     return [struct.pack("<Q", len(raw)) + raw, *tensors.values()]
+
+
+@functools.lru_cache(maxsize=4)
+def _entries_json(shapes: tuple) -> str:
+    """The header's text after `__metadata__`: the same every step of a trainer (0.7 ms to
+    write at rank 64)."""
+    header, offset = {}, 0
+    for name, dtype, shape in shapes:
+        spec = TensorSpec.of_torch(name, dtype, shape)
+        header[name] = {"dtype": spec.dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    text = json.dumps(header, separators=(",", ":"))
+    return "," + text[1:] if header else "}"  # what follows the metadata's "}"
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:

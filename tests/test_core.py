@@ -36,6 +36,20 @@ def test_encode_is_byte_compatible_with_safetensors():
     assert meta == {"k": "v"} and torch.equal(theirs["b"], t["b"])
 
 
+@pytest.mark.parametrize("tensors", [{}, {"a": torch.randn(3, 5)},
+                                     {"a": torch.randn(3, 5), "b": torch.randn(0, 2),
+                                      "c": torch.randn(4).to(torch.float16)}])
+def test_a_layout_written_again_reads_back_with_its_own_metadata(tensors):
+    """layout keeps the text of recent tensor sets (wire._entries_json): each step's file,
+    with that step's metadata, is still one safetensors reads back exactly."""
+    for step in range(3):
+        parts = wire.layout(tensors, {"lora_name": "x", "version": step})
+        body = b"".join([parts[0], *(wire._as_bytes(t) for t in parts[1:])])
+        assert st_load(body).keys() == tensors.keys()
+        assert all(torch.equal(st_load(body)[k], v) for k, v in tensors.items())
+        assert wire.parse_header(body).metadata == {"lora_name": "x", "version": str(step)}
+
+
 def test_decode_views_buffer_without_copy():
     buf = bytearray(wire.encode_bytes({"x": torch.zeros(4)}, {}))
     _, t = wire.decode(buf)
