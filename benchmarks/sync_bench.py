@@ -90,6 +90,9 @@ def sync_once(client: LoRASyncClient, transport: str, adapter: LoRAAdapter, name
 SERVER_PHASES = ("settle", "receive", "wait", "worker", "handoff", "register")
 WORKER_PARTS = ("intake", "checks", "build")
 TRAINER_CALLS = ("lease", "write")  # shm's steps before its last call
+# Measured and shown, not added: shm's copy into a ready lease runs after its commit went
+# out, inside the server's `receive` (which waits for it to seal the lease).
+WITHIN_RECEIVE = ("copy",)
 
 
 def attribute(timings: dict, calls_s: float, total_s: float) -> dict:
@@ -99,7 +102,7 @@ def attribute(timings: dict, calls_s: float, total_s: float) -> dict:
     (the trainer's own work around its calls: encoding, threads, the copy it keeps),
     `http` (the last call's round trip beyond the server's own time), `worker_other` and
     `server_other` (the server's time outside its phases: checks of the header, reply)."""
-    phases = {k: timings[k] for k in TRAINER_CALLS if k in timings}
+    phases = {k: timings[k] for k in TRAINER_CALLS + WITHIN_RECEIVE if k in timings}
     phases["client"] = total_s - calls_s
     phases["http"] = calls_s - sum(phases.get(k, 0.0) for k in TRAINER_CALLS) \
         - timings["server"]
@@ -407,7 +410,8 @@ def summarize(samples: list[dict]) -> list[dict]:
                      "mb_per_s": group[0]["bytes"] / 1e6 / _median(totals),
                      "phases_s": phases,
                      # The median phases' sum against the median wall time (1.0: all of it).
-                     "attributed": sum(v for k, v in phases.items() if k != "total")
+                     "attributed": sum(v for k, v in phases.items()
+                                       if k not in ("total", *WITHIN_RECEIVE))
                      / _median(totals),
                      "cold_s": _median([s["phases"]["total"] for s in every if s.get("cold")]),
                      "first_completion_s": _median([s.get("first_completion_s") for s in group

@@ -226,6 +226,7 @@ class FakeLoRASync(FakeServer):
 
     def _commit(self, req):
         fd, nbytes = self.leases.pop(req.json()["lease_id"])
+        shm.seal_and_read_header(fd, nbytes)  # as a server: waits for the trainer's copy
         body = os.pread(fd, nbytes, 0)
         os.close(fd)
         self.install(req, body, "shm")

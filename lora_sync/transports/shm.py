@@ -641,8 +641,11 @@ class ShmTransport(Transport):
         result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                        ctx.version)
         timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
-        write_ms = copy.seconds * 1e3 if copy is not None else (t2 - t1) * 1e3
-        timings.update(lease=(t1 - t0) * 1e3, write=write_ms)  # trainer side
+        # trainer side: `write`, before the commit went out; `copy`, after (the server's
+        # `receive` waited for it)
+        timings.update(lease=(t1 - t0) * 1e3, write=(t2 - t1) * 1e3)
+        if copy is not None:
+            timings["copy"] = copy.seconds * 1e3
         if ctx.keep:
             result.kept = map_read_only(read_fd)
         return result
