@@ -104,6 +104,27 @@ def test_a_kept_file_gets_huge_pages_and_workers_map_them_whole(area):
     assert smaps_kb(got["a"].data_ptr(), "ShmemPmdMapped") >= 4 * pages.HUGE_PAGE // 1024
 
 
+@pytest.mark.skipif(not collapse_possible(), reason="MADV_COLLAPSE needs Linux 6.1 and "
+                    "shmem huge pages not denied")
+def test_a_kept_file_a_longer_body_grew_is_given_huge_pages_again(area):
+    """Bytes a file grows by are new small pages: a file kept at 3 MB that a 20 MB body then
+    grew gets huge pages again when it is kept, and the next 20 MB body in it maps in 2 MiB
+    pages over its length (a trainer's adapters of rank 8, then rank 64)."""
+    first = stage(area, body_of(3 << 20, seed=1)[0])
+    area.recycle(first.path)
+    wait_until(lambda: not collapses_running(), 30, "huge pages given")
+    grown = stage(area, body_of(20 << 20, seed=2)[0])
+    assert grown.path == first.path
+    area.recycle(grown.path)
+    wait_until(lambda: not collapses_running(), 30, "huge pages given again")
+    chunks, tensors = body_of(20 << 20, seed=3)
+    third = stage(area, chunks)
+    assert third.path == first.path
+    _, got = open_staged(third.path, read_only=True)
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)  # reads every page
+    assert smaps_kb(got["a"].data_ptr(), "ShmemPmdMapped") >= 8 * pages.HUGE_PAGE // 1024
+
+
 def test_a_file_not_kept_is_removed_and_never_given_huge_pages(area):
     """Past `spare` kept files, a recycled file is deleted (no thread starts for it)."""
     staged = [stage(area, body_of(1 << 20, seed)[0]) for seed in range(3)]
@@ -111,4 +132,4 @@ def test_a_file_not_kept_is_removed_and_never_given_huge_pages(area):
         area.recycle(s.path)
     assert sorted(area.free) == sorted(s.path for s in staged[:2])
     assert not os.path.exists(staged[2].path)
-    assert area.huge == set(area.free)
+    assert set(area.huge) == set(area.free)

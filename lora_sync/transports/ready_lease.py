@@ -5,9 +5,10 @@ Writing 70 MB into a lease just granted costs a round trip for the grant and a p
 entry per 4 KiB page (20 ms here), against 5 ms for the copy itself into memory already
 mapped. So after each push the client asks the server for the next lease of that size,
 maps it with its page tables filled (on a thread, off the push's path) and renews it at half
-its time, for steps of any length; the next push of that name only copies, unmaps and
-commits. The server's rules are those of any lease: sealed at commit, at most half the table
-per client, counted against staging memory while it waits, gone at its time unless renewed.
+its time, for steps of any length; the next push of that name only commits, copies and
+unmaps (the copy runs while the server waits for its seal). The server's rules are those of
+any lease: sealed at commit, at most half the table per client, counted against staging
+memory while it waits, gone at its time unless renewed.
 
 One ready lease per server: a push of another name or size finds none (the one it finds is
 cancelled), and readies its own."""

@@ -370,7 +370,7 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
     starts with the server's random probe and zeros, which no parse takes for a header: a
     lease that loses its mapping before the copy is complete (the copy failed, the trainer
     died) is refused at commit, never served half-written. That is what lets the client
-    commit while it copies (`ShmTransport._commit_while_copying`).
+    commit while it copies (`ShmTransport._commit`).
 
     Host tensors go in with plain memcpy (ctypes.memmove, which lets go of the GIL), not
     torch's copy: on a thread other than the trainer's, torch starts a second OpenMP team
