@@ -239,10 +239,11 @@ class LeaseTable:
 # commit holds one thread of the event loop's default pool; leases (so commits) are bounded
 # per client.
 SEAL_WAIT_S = 1.0
-SEAL_WAIT_BYTES_PER_S = 256 << 20
+SEAL_WAIT_BYTES_PER_S = 256 << 20  # each 256 MiB of lease: one second more
 
 
 def seal_wait_s(nbytes: int) -> float:
+    """How long a commit of an `nbytes` lease waits for the trainer's copy and unmap."""
     return SEAL_WAIT_S + nbytes / SEAL_WAIT_BYTES_PER_S
 
 
@@ -538,6 +539,7 @@ class _CopyOnSent:
         self.seconds = time.perf_counter() - t0
 
     def finish(self) -> None:
+        """Waits for the unmap, then raises the copy's error (once); safe to call again."""
         if self.unmapping is None and self.error is None:
             self.unmapping = _UNMAPPER.submit(_unmap, self.mapping, self.pin)  # never ran
         if self.unmapping is not None:
