@@ -279,14 +279,13 @@ def view_tensors(buf, header: Header, data_only: bool = False) -> dict[str, torc
         dtype = DTYPES[specs[i].dtype]
         begin, end = offsets[i][0], offsets[j - 1][1]
         if whole is None:  # nothing but empty tensors
-            pieces = [torch.empty(0, dtype=dtype) for _ in range(i, j)]
+            run = torch.empty(0, dtype=dtype)
         elif (base + begin) % dtype.itemsize == 0:
-            pieces = whole[base + begin:base + end].view(dtype).split(
-                [(e - b) // dtype.itemsize for b, e in offsets[i:j]])
+            run = whole[base + begin:base + end].view(dtype)
         else:  # misaligned after tensors of another dtype: a storage of their own
-            pieces = [torch.frombuffer(buf, dtype=dtype, count=(end - begin) // dtype.itemsize,
-                                       offset=base + begin)]
-            pieces = pieces[0].split([(e - b) // dtype.itemsize for b, e in offsets[i:j]])
+            run = torch.frombuffer(buf, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                                   offset=base + begin)
+        pieces = run.split([(e - b) // dtype.itemsize for b, e in offsets[i:j]])
         for spec, piece in zip(specs[i:j], pieces):
             out[spec.name] = piece.view(spec.shape)
         i = j

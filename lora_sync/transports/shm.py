@@ -539,7 +539,7 @@ class _CopyOnSent:
         self.seconds = time.perf_counter() - t0
 
     def finish(self) -> None:
-        """Waits for the unmap, then raises the copy's error (once); safe to call again."""
+        """Waits for the unmap, then raises the copy's error."""
         if self.unmapping is None and self.error is None:
             self.unmapping = _UNMAPPER.submit(_unmap, self.mapping, self.pin)  # never ran
         if self.unmapping is not None:
@@ -604,7 +604,7 @@ class ShmTransport(Transport):
             return None
         finally:
             os.close(ready.read_fd)
-            copy.finish()
+            copy.finish()  # its error, not the server's refusal of the incomplete lease
 
     def _send_fresh(self, parts, server, ctx, nbytes) -> PushResult | None:
         t0 = time.perf_counter()
@@ -638,8 +638,6 @@ class ShmTransport(Transport):
         t2 = time.perf_counter()
         reply, _ = _post(server, COMMIT_ROUTE, ctx, lease.ticket(),
                          on_sent=copy.run if copy is not None else None)
-        if copy is not None:
-            copy.finish()  # its error, not the server's refusal of the incomplete lease
         result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                        ctx.version)
         timings = reply.setdefault("timings_ms", {})  # a dict: checked by from_reply
