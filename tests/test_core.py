@@ -299,6 +299,26 @@ def test_parsing_a_header_again_gives_what_a_first_parse_gives(pushes):
             assert seen == _outcome(lambda: wire.parse_header(header, len(header) + _DATA[which]))
 
 
+def test_the_kept_header_entries_are_bounded_whatever_clients_send():
+    """What a client can make a server keep of its headers: the entries of the last 4, each
+    header at most 1 MiB of text. Many distinct headers, then one of 1.3 MB (20,000 tiny
+    tensors): at most 4 kept, none longer than the bound, and the long one still parses."""
+    from unittest import mock
+    with mock.patch.dict(wire._KNOWN_ENTRIES, clear=True):
+        for n in range(12):
+            body = wire.encode_bytes({f"t{n}_{k}": torch.zeros(1) for k in range(n + 1)},
+                                     {"lora_name": "x"})
+            wire.parse_header(body)
+            assert len(wire._KNOWN_ENTRIES) == min(n + 1, wire._KNOWN_MAX)
+        many = {f"tensor_{k:06d}": torch.zeros(1) for k in range(20_000)}
+        header = wire.layout(many, {"lora_name": "x"})[0]
+        assert len(header) > wire._KNOWN_MAX_CHARS
+        body = header + b"\0" * (4 * len(many))
+        assert len(wire.parse_header(body).specs) == len(many)
+        assert len(wire._KNOWN_ENTRIES) <= wire._KNOWN_MAX
+        assert all(len(k) <= wire._KNOWN_MAX_CHARS for k in wire._KNOWN_ENTRIES)
+
+
 def test_parse_header_refuses_int_tensors():
     body = st_save({"w": torch.ones(2, dtype=torch.int32)})
     with pytest.raises(BadAdapter, match="dtype"):
