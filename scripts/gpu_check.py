@@ -5,20 +5,23 @@ this checkout). A lease is a memfd the trainer maps and writes (lora_sync/transp
 from a CUDA tensor that write is a device-to-host copy. Into pageable memory the driver
 stages it through its own pinned buffer; registering the mapping with CUDA
 (cudaHostRegister) makes it pinned, at a price per lease (every push gets a new memfd).
-Each arm copies the whole adapter, on a new lease per repetition, as a push does:
+Each arm copies the whole adapter, on a new lease per repetition, as a push does. A ready
+lease is readied as the client readies one (ready_lease.py: in huge pages, page tables
+filled). `copy` is the time until lora_sync's write returns (the push's wait: its commit is
+already out), `unmap` the release of the registration and the unmap after it, which run on
+the client's unmap thread while the commit travels (the server's seal waits for them):
 
-  per_tensor        one synchronous torch copy per tensor into the mapping (lora_sync
-                    before device_copy.py)
-  lora_sync_ready   lora_sync's write (shm.write_mapped) into a lease already mapped with
-                    its page tables filled: a push that finds its ready lease
-  lora_sync_pinned  the same into a ready lease registered with CUDA where it was readied
-                    (off the push's path); unregistering it is timed, it is on the path
-  lora_sync_fresh   lora_sync's write (shm.write_lease) into a lease just granted: mapping
-                    and page tables included
-  register          what registering (and unregistering) a lease's mapping costs
-  unmap             what closing a written lease's mapping costs (every write ends so: the
-                    server seals only a lease nobody maps writable)
-  pinned            the same packed copies into torch's pinned memory: the bus's floor
+  per_tensor          one synchronous torch copy per tensor into the mapping (lora_sync
+                      before device_copy.py), 4 KiB pages, unmap included
+  lora_sync_ready     lora_sync's write (shm.write_then_unmap) into a ready lease: a push
+                      that finds its ready lease after a change of device
+  lora_sync_pinned    the same into a ready lease registered with CUDA where it was readied
+                      (off the push's path): every later push of a GPU trainer
+  lora_sync_pinned_4k the same in 4 KiB pages (a host whose kernel gives no huge pages)
+  lora_sync_fresh     lora_sync's write (shm.write_lease) into a lease just granted: mapping
+                      and page tables included
+  register            what registering (and unregistering) a lease's mapping costs
+  pinned              the same packed copies into torch's pinned memory: the bus's floor
 
     python scripts/gpu_check.py [--rank 64] [--reps 20] [--out gpu_check.json]
 """
@@ -35,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from lora_sync import wire  # noqa: E402
+from lora_sync import pages, wire  # noqa: E402
 from lora_sync.transports import shm  # noqa: E402
 from lora_sync.transports.device_copy import HostPin, copy_to_host  # noqa: E402
 
@@ -56,14 +59,24 @@ def adapter(rank: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     return out
 
 
-def mapped_lease(nbytes: int) -> tuple[int, mmap.mmap]:
+def mapped_lease(nbytes: int, huge_pages: bool = True) -> tuple[int, mmap.mmap]:
     """A lease as the server grants one (shm.new_lease: a lease memfd, its probe written),
     held by this process, mapped by lora_sync's trainer side through /proc like any
-    other; returns its descriptor (to close) and the mapping."""
+    other (`huge_pages`: as the client readies one); returns its descriptor (to close) and
+    the mapping."""
     fd, lease = shm.new_lease(nbytes, 60.0)
-    mapping, read_fd = shm.map_lease(lease)
+    mapping, read_fd = shm.map_lease(lease, huge_pages=huge_pages)
     os.close(read_fd)
     return fd, mapping
+
+
+def huge_pages_given(nbytes: int) -> bool:
+    """Whether this kernel backs a lease with huge pages (else every arm is in 4 KiB pages)."""
+    fd, _ = shm.new_lease(nbytes, 60.0)
+    try:
+        return pages.give_huge_pages(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
 def clock(fn) -> float:
@@ -101,22 +114,31 @@ def main() -> None:
         placed.append((offset, t))
         offset += t.numel() * t.element_size()
 
-    def on_lease(write, pin: bool = False) -> dict:
-        fd, mapping = mapped_lease(nbytes)
-        hold = HostPin.of(mapping) if pin else None
-        ms = clock(lambda: write(mapping, hold))
+    def per_tensor() -> dict:
+        fd, mapping = mapped_lease(nbytes, huge_pages=False)
+
+        def write():
+            flat = torch.frombuffer(mapping, dtype=torch.uint8)
+            for off, t in placed:
+                n = t.numel() * t.element_size()
+                flat[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+            del flat
+            mapping.close()
+        ms = clock(write)
         os.close(fd)
         return {"copy": ms}
 
-    def per_tensor(mapping, _):
-        flat = torch.frombuffer(mapping, dtype=torch.uint8)
-        for off, t in placed:
-            flat[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
-        del flat
-        mapping.close()
-
-    def lora_sync_write(mapping, hold):
-        shm.write_mapped(mapping, parts, hold)
+    def ready_rep(pin: bool, huge_pages: bool = True) -> dict:
+        fd, mapping = mapped_lease(nbytes, huge_pages)
+        hold = HostPin.of(mapping) if pin else None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        unmapped = shm.write_then_unmap(mapping, parts, hold)  # returns once every byte is in
+        t1 = time.perf_counter()
+        unmapped.result()
+        t2 = time.perf_counter()
+        os.close(fd)
+        return {"copy": (t1 - t0) * 1e3, "unmap": (t2 - t1) * 1e3}
 
     def fresh_rep():
         fd, lease = shm.new_lease(nbytes, 60.0)
@@ -137,24 +159,17 @@ def main() -> None:
         os.close(fd)
         return {"register": (t1 - t0) * 1e3, "unregister": (t2 - t1) * 1e3}
 
-    def unmap_rep():
-        fd, mapping = mapped_lease(nbytes)
-        t0 = time.perf_counter()
-        mapping.close()
-        ms = (time.perf_counter() - t0) * 1e3
-        os.close(fd)
-        return {"unmap": ms}
-
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    arms = {"per_tensor": lambda: on_lease(per_tensor),
-            "lora_sync_ready": lambda: on_lease(lora_sync_write),
-            "lora_sync_pinned": lambda: on_lease(lora_sync_write, pin=True),
+    arms = {"per_tensor": per_tensor,
+            "lora_sync_ready": lambda: ready_rep(pin=False),
+            "lora_sync_pinned": lambda: ready_rep(pin=True),
+            "lora_sync_pinned_4k": lambda: ready_rep(pin=True, huge_pages=False),
             "lora_sync_fresh": fresh_rep,
             "register": register_rep,
-            "unmap": unmap_rep,
             "pinned": lambda: {"copy": clock(lambda: copy_to_host(pinned, placed))}}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cpus": os.cpu_count(), "rank": a.rank, "bytes": nbytes, "reps": a.reps}
+              "cpus": os.cpu_count(), "rank": a.rank, "bytes": nbytes, "reps": a.reps,
+              "huge_pages": huge_pages_given(nbytes)}
     for name, rep in arms.items():
         result[name] = repeat(rep, a.reps)
         if "copy" in result[name]:

@@ -2,7 +2,7 @@
 and its NCCL broadcast sender (lora_sync/collective.py).
 
 The packing runs on any device, so its rules are checked here on CPU tensors; the tests
-marked `cuda` need a GPU (they skip without one: CI has none) and ran on an H100 with
+marked `cuda` need a GPU (they skip without one: CI has none) and ran on an H100 and an H200 with
 `python3 -m pytest tests/test_gpu_trainer.py` (see docs/protocol.md)."""
 from __future__ import annotations
 
