@@ -2,8 +2,20 @@
 (no timing is asserted: performance is measured, not tested)."""
 import json
 
-from benchmarks.sync_bench import TRANSPORTS, WITHIN_RECEIVE, goals_report, print_table, run, soak
+from benchmarks.sync_bench import TRANSPORTS, WITHIN_RECEIVE, goals_report, print_table, run, \
+    rss_growth, soak
 from lora_sync import LoRASyncClient
+
+
+def test_rss_growth_follows_the_top_not_the_level_a_sample_catches():
+    """Run V's SGLang soak: two levels 67 MB apart (the window's contents), each flat. The
+    first and last samples, or the halves' medians, read that as +35 MB per 100 pushes."""
+    sglang_v = [4624.1, 4692.2, 4692.9, 4692.9, 4693.0, 4625.8, 4625.9, 4693.1, 4626.6, 4626.9,
+                4694.2, 4627.0, 4627.0, 4694.2, 4694.2, 4694.3, 4694.3, 4627.1, 4627.2, 4694.3]
+    assert abs(rss_growth(sglang_v, 200) - 1.2) < 1e-6  # 4693.1 -> 4694.3
+    leaking = [level + 0.5 * i for i, level in enumerate([4600, 4670] * 10)]  # 0.5 MB a sample
+    assert abs(rss_growth(leaking, 200) - 5.0) < 1e-9  # 0.5 MB per 10 pushes
+    assert rss_growth([4600.0], 10) == 0.0
 
 
 def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, workdir,
