@@ -3,7 +3,8 @@
 The HTTP process streams the body into a file in a tmpfs (/dev/shm: memory, never disk) while
 counting bytes against the limit; each worker maps that file and views the tensors in place.
 Only the file path crosses the engine's RPC, never the bytes. Files are reused, in huge
-pages from their first reuse on (`StagingArea.recycle`)."""
+pages from their first reuse on, and mapped writable ahead of the next body, which the
+socket then reads straight into (`StagingArea.recycle`)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,7 @@ import shutil
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 
@@ -81,6 +83,9 @@ class StagingArea:
         # Each kept file's size when it was last given huge pages (or sent on its way to
         # them), lowered when a body shrinks it: bytes past it are in small pages.
         self.huge: dict[str, int] = {}
+        # Each kept file's writable mapping, its page tables filled off a push's path
+        # (`recycle`): a body then lands in it straight from the socket.
+        self.mapped: dict[str, Future] = {}
         self.inflight = 0  # bytes claimed by bodies being received now
         atexit.register(self.close)
 
@@ -100,23 +105,36 @@ class StagingArea:
                           f"({limits.max_inflight} bytes): retry later", code="staging_full")
         self.inflight += claimed
         path = self.free.pop() if self.free else os.path.join(self.dir, uuid.uuid4().hex)
+        mapped = self._mapping_of(path, content_length)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         n, head = 0, bytearray()
         try:
-            async for chunk in _paced(chunks, limits, claimed):
-                n += len(chunk)
-                if n > limits.max_body:
-                    raise _too_large(n, limits.max_body)
-                if len(head) < 8 or len(head) < wire.header_length(head):
-                    head += chunk  # keep the first bytes in memory to parse the header
-                os.write(fd, chunk)
-            os.ftruncate(fd, n)  # a reused file may have been longer
-            if n == 0:
-                raise BadAdapter("request body is empty; send one safetensors file",
-                                 code="empty_body")
-            # Off the event loop: a large header takes a while to parse, and generation
-            # requests must not wait for it.
-            header = await asyncio.to_thread(wire.parse_header, memoryview(head), n)
+            if mapped is not None and hasattr(chunks, "read_into"):
+                # into the file's pages: the socket's copy is the only one. The file is the
+                # body's length first: a store past its end would kill the process (SIGBUS)
+                if os.fstat(fd).st_size != content_length:
+                    os.ftruncate(fd, content_length)
+                dest = memoryview(mapped)[:content_length]  # the mapping stays open
+                async for chunk in _paced(chunks.read_into(dest), limits, claimed):
+                    n += len(chunk)
+                # n is Content-Length, within the limit checked above
+                header = await asyncio.to_thread(wire.parse_header, dest[:n], n)
+            else:
+                self._forget_mapping(path)
+                async for chunk in _paced(chunks, limits, claimed):
+                    n += len(chunk)
+                    if n > limits.max_body:
+                        raise _too_large(n, limits.max_body)
+                    if len(head) < 8 or len(head) < wire.header_length(head):
+                        head += chunk  # keep the first bytes in memory to parse the header
+                    os.write(fd, chunk)
+                os.ftruncate(fd, n)  # a reused file may have been longer
+                if n == 0:
+                    raise BadAdapter("request body is empty; send one safetensors file",
+                                     code="empty_body")
+                # Off the event loop: a large header takes a while to parse, and generation
+                # requests must not wait for it.
+                header = await asyncio.to_thread(wire.parse_header, memoryview(head), n)
         except BaseException:
             self.recycle(path)
             raise
@@ -124,6 +142,21 @@ class StagingArea:
             os.close(fd)
             self.inflight -= claimed
         return StagedBody(path, n, header)
+
+    def _mapping_of(self, path: str, nbytes: int | None) -> mmap.mmap | None:
+        """The kept file's writable mapping, where it is ready and spans `nbytes` (a body's
+        length changes by a few bytes with its metadata); a longer body is written, and the
+        mapping dropped, as in a new file."""
+        ready = self.mapped.get(path)
+        if not nbytes or ready is None or not ready.done():
+            return None
+        mapping = ready.result()
+        return mapping if mapping is not None and nbytes <= len(mapping) else None
+
+    def _forget_mapping(self, path: str) -> None:
+        """Drops a file's kept mapping: unmapped once nothing views it (a readying thread
+        still at work keeps its own until it ends)."""
+        self.mapped.pop(path, None)
 
     def recycle(self, path: str) -> None:
         """Call once no worker uses the file (its adapter was freed or never built).
@@ -134,19 +167,29 @@ class StagingArea:
         entries (intake 8.8 -> 3.4 ms on vLLM, 8.5 -> 3.6 on SGLang, at rank 64). It takes
         0.3-2 ms with free memory at hand, 180-220 ms where the host took it back
         (docs/protocol.md), so never on a push's path. A body written meanwhile is safe: the
-        kernel locks each page it moves."""
+        kernel locks each page it moves.
+
+        The same thread then maps the file writable with its page tables filled, kept until
+        the file grows past it or goes: the next body the mapping spans is read from the
+        socket straight into it, one copy fewer than through a buffer and `os.write` (rank
+        64, 16 pairs on one server: the push -5.8 ms on SGLang, -2.4 on vLLM, paired
+        medians). Mapped per body instead, its page faults cost more than the copy saves."""
         if len(self.free) < self.spare and os.path.exists(path):
             size, held = os.path.getsize(path), self.huge.get(path)
             self.huge[path] = size
-            if held is None or size > held:
-                threading.Thread(target=_give_huge_pages, args=(path,), daemon=True,
-                                 name="lora-sync-staging-huge-pages").start()
+            huge = held is None or size > held
+            if huge or self._mapping_of(path, size) is None:
+                ready = self.mapped[path] = Future()
+                threading.Thread(target=_ready_kept, args=(path, huge, ready), daemon=True,
+                                 name="lora-sync-staging-ready").start()
             self.free.append(path)
         else:
             self.huge.pop(path, None)
+            self._forget_mapping(path)
             discard(path)
 
     def close(self) -> None:
+        self.mapped.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -169,15 +212,29 @@ async def _paced(chunks, limits: BodyLimits, nbytes: int):
                        code="body_timeout") from None
 
 
-def _give_huge_pages(path: str) -> None:
+def _ready_kept(path: str, huge: bool, ready: Future) -> None:
+    """A kept file readied for its next body: in huge pages (`huge`), then mapped writable
+    with its page tables filled (`ready`'s result; None if it could not be). A body that
+    comes before it is done is written as before, and this mapping is dropped; its bytes
+    are safe meanwhile: the kernel locks each page it moves, and filling page tables writes
+    nothing."""
+    mapping = None
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:  # the server stopped meanwhile
+        ready.set_result(None)
         return
     try:
-        pages.give_huge_pages(fd, os.fstat(fd).st_size)
+        size = os.fstat(fd).st_size
+        if huge:
+            pages.give_huge_pages(fd, size)
+        if size:
+            mapping = pages.map_filled(fd, size)
+    except (OSError, ValueError):  # no memory or address space, or the file was resized
+        mapping = None                # meanwhile: bodies are written as before
     finally:
         os.close(fd)
+        ready.set_result(mapping)
 
 
 def discard(path: str) -> None:

@@ -17,7 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from starlette.requests import ClientDisconnect
+
 from lora_sync import pages, wire
+from lora_sync.server.socket_body import BodyChunks
 from lora_sync.staging import BodyLimits, StagingArea, open_staged
 
 from .helpers import smaps_kb, wait_until
@@ -33,10 +36,15 @@ def body_of(nbytes: int, seed: int) -> tuple[list, dict]:
     return wire.encode(tensors, {"seed": str(seed)}), tensors
 
 
-async def _chunks(chunks, piece: int):
+async def _chunks(chunks, piece: int, stop_after: int | None = None):
+    """The body in pieces; `stop_after`: the client vanishes after that many bytes."""
+    sent = 0
     for c in chunks:
         c = memoryview(c)
         for i in range(0, len(c), piece):
+            if stop_after is not None and sent >= stop_after:
+                raise ClientDisconnect()
+            sent += len(c[i:i + piece])
             yield bytes(c[i:i + piece])
 
 
@@ -46,7 +54,8 @@ def stage(area: StagingArea, chunks, piece: int = 1 << 20):
 
 
 def collapses_running() -> bool:
-    return any(t.name == "lora-sync-staging-huge-pages" for t in threading.enumerate())
+    """Whether a kept file is still being readied (huge pages, then its mapping)."""
+    return any(t.name == "lora-sync-staging-ready" for t in threading.enumerate())
 
 
 @contextlib.contextmanager
@@ -84,6 +93,66 @@ def test_a_reused_file_reads_back_exactly_each_body(sizes, piece):
                 assert header.metadata["seed"] == str(seed)
                 assert all(torch.equal(got[k], tensors[k]) for k in tensors)
                 del got
+            area.recycle(staged.path)
+
+
+def _reads_back(staged, tensors: dict, seed: int) -> bool:
+    header, got = open_staged(staged.path, read_only=True)
+    return header.metadata["seed"] == str(seed) and staged.nbytes == \
+        os.path.getsize(staged.path) and all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_a_body_a_kept_files_mapping_spans_lands_in_it(area):
+    """A kept file is mapped writable off the push's path; the next body it spans lands in
+    that mapping, a shorter one too (the mapping stays for the bodies after), and one longer
+    than the mapping is written as before (the mapping goes: the file grows past it)."""
+    def receive(nbytes: int, seed: int):
+        chunks, tensors = body_of(nbytes, seed)
+        total = sum(len(c) for c in chunks)
+        staged = asyncio.run(area.receive_body(BodyChunks(None, total, _chunks(chunks, 65536)),
+                                               LIMITS, total))
+        assert _reads_back(staged, tensors, seed)
+        return staged
+
+    first = stage(area, body_of(5 << 20, seed=1)[0])
+    area.recycle(first.path)
+    wait_until(lambda: not collapses_running(), 30, "kept file readied")
+    ready = area.mapped[first.path]
+    assert len(ready.result()) == first.nbytes
+    for seed, nbytes in ((2, 5 << 20), (3, 2 << 20), (4, 5 << 20)):
+        staged = receive(nbytes, seed)
+        assert staged.path == first.path and area.mapped[first.path] is ready
+        area.recycle(staged.path)
+    wait_until(lambda: not collapses_running(), 30, "kept file readied")
+    longer = receive(6 << 20, 5)
+    assert longer.path == first.path and first.path not in area.mapped
+
+
+@settings(max_examples=15, deadline=None)
+@given(plan=st.lists(st.tuples(st.sampled_from([1 << 20, 3 << 20, (3 << 20) + 4]),
+                               st.booleans(), st.booleans(), st.booleans()),
+                     min_size=2, max_size=7),
+       piece=st.sampled_from([4096, 65536, 1 << 20]))
+def test_bodies_in_kept_mappings_read_back_exactly(plan, piece):
+    """Random bodies (size, read into a mapping where one is ready, kept files readied
+    before it or not, the client vanishing halfway): every body staged reads back exactly
+    as sent and its file is its length, whatever the file held or how it was mapped."""
+    with staging_area() as area:
+        for seed, (nbytes, into, settle, cut) in enumerate(plan):
+            chunks, tensors = body_of(nbytes, seed)
+            total = sum(len(c) for c in chunks)
+            if settle:
+                wait_until(lambda: not collapses_running(), 30, "kept files readied")
+            source = _chunks(chunks, piece, stop_after=total // 2 if cut else None)
+            if into:
+                source = BodyChunks(None, total, source)
+            received = area.receive_body(source, LIMITS, total)
+            if cut:
+                with pytest.raises(ClientDisconnect):
+                    asyncio.run(received)
+                continue
+            staged = asyncio.run(received)
+            assert _reads_back(staged, tensors, seed)
             area.recycle(staged.path)
 
 

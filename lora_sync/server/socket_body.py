@@ -23,6 +23,8 @@ import socket
 
 from starlette.requests import ClientDisconnect
 
+from ..errors import PayloadTooLarge
+
 KNOWN_UVICORN = ("0.54.0",)
 READ_SIZE = 4 << 20
 # The scope key under which admission (the outermost middleware) leaves uvicorn's own
@@ -71,13 +73,23 @@ class BodyChunks:
         self.taken = False
 
     def __aiter__(self):
-        return self._chunks()
+        return self._chunks(None)
 
-    async def _chunks(self):
+    def read_into(self, dest: memoryview):
+        """The body landed in `dest`, as long as Content-Length says: each chunk yielded is
+        the next stretch of `dest`, already in place. From the socket the bytes go straight
+        in, one copy fewer than chunks written where they belong (a staged file's mapping:
+        see staging.py); through uvicorn each chunk is copied in."""
+        if self.length is None or len(dest) != self.length:
+            raise ValueError("read_into needs a destination of the body's Content-Length")
+        return self._chunks(dest)
+
+    async def _chunks(self, dest: memoryview | None):
+        landing = _Landing(dest)
         cycle = self.cycle
         if self.length is None or not _takeable(cycle):
             async for chunk in self.fallback:
-                yield chunk
+                yield landing.put(chunk)
             return
         # From here uvicorn reads nothing more from this connection and closes it after
         # the reply. No await before the pause: uvicorn cannot read a piece in between.
@@ -86,25 +98,59 @@ class BodyChunks:
         self.taken = True
         head, cycle.body = cycle.body, bytearray()  # what uvicorn parsed already
         if head:
-            yield head
+            yield landing.put(head)
         left = self.length - len(head)
         # A socket object of our own on a duplicate descriptor: closing it leaves uvicorn's.
         sock = socket.socket(fileno=os.dup(cycle.transport.get_extra_info("socket").fileno()))
         try:
             sock.setblocking(False)
-            buf = memoryview(bytearray(min(READ_SIZE, max(left, 1))))
             loop = asyncio.get_running_loop()
             while left > 0:
+                window = landing.window(left)
                 try:
-                    n = await loop.sock_recv_into(sock, buf[:min(left, len(buf))])
+                    n = await loop.sock_recv_into(sock, window)
                 except ConnectionError:
                     n = 0
                 if n == 0:
                     raise ClientDisconnect()
                 left -= n
-                yield buf[:n]
+                yield landing.took(n)
         finally:
             sock.close()
+
+
+class _Landing:
+    """Where a body's bytes land: a read buffer of ours, reused for every chunk, or `dest`,
+    filled in order."""
+
+    def __init__(self, dest: memoryview | None):
+        self.dest, self.at = dest, 0
+        self.buf: memoryview | None = None
+
+    def window(self, left: int) -> memoryview:
+        """Where the next read goes (at most READ_SIZE bytes, at most `left`)."""
+        if self.dest is not None:
+            return self.dest[self.at:self.at + min(left, READ_SIZE)]
+        if self.buf is None:
+            self.buf = memoryview(bytearray(min(READ_SIZE, max(left, 1))))
+        return self.buf[:min(left, len(self.buf))]
+
+    def took(self, n: int) -> memoryview:
+        """The `n` bytes the last read put into its window."""
+        if self.dest is None:
+            return self.buf[:n]
+        self.at += n
+        return self.dest[self.at - n:self.at]
+
+    def put(self, chunk) -> memoryview | bytes:
+        """A chunk read by someone else (uvicorn), copied into `dest` when there is one."""
+        if self.dest is None:
+            return chunk
+        if self.at + len(chunk) > len(self.dest):
+            raise PayloadTooLarge(f"request body is longer than its Content-Length "
+                                  f"({len(self.dest)} bytes)")
+        self.dest[self.at:self.at + len(chunk)] = chunk
+        return self.took(len(chunk))
 
 
 def _takeable(cycle) -> bool:
