@@ -10,7 +10,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .. import naming
 from ..adapter import ModelSpec, check_adapter
@@ -465,8 +465,9 @@ class AdapterService:
             if rec.retired:
                 entry["draining"].append(rec.served_name)
             if not rec.retired or rec.inflight:
-                entry["versions"].append({k: v for k, v in asdict(rec).items()
-                                          if k != "hold"})  # paths and leases stay inside
+                # paths and leases stay inside (asdict would deep-copy the hold too)
+                entry["versions"].append({f.name: getattr(rec, f.name) for f in fields(rec)
+                                          if f.name != "hold"})
             latest = self.book.latest(rec.name)
             entry["alias_target"] = naming.versioned(rec.name, latest) if latest else None
             entry["inflight"] += rec.inflight
