@@ -107,34 +107,34 @@ class StagingArea:
         path = self.free.pop() if self.free else os.path.join(self.dir, uuid.uuid4().hex)
         mapped = self._mapping_of(path, content_length)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-        n, head = 0, bytearray()
+        n, head, dest = 0, bytearray(), None
         try:
             if mapped is not None and hasattr(chunks, "read_into"):
                 # into the file's pages: the socket's copy is the only one. The file is the
                 # body's length first: a store past its end would kill the process (SIGBUS)
-                if os.fstat(fd).st_size != content_length:
-                    os.ftruncate(fd, content_length)
+                os.ftruncate(fd, content_length)
                 dest = memoryview(mapped)[:content_length]  # the mapping stays open
-                async for chunk in _paced(chunks.read_into(dest), limits, claimed):
-                    n += len(chunk)
-                # n is Content-Length, within the limit checked above
-                header = await asyncio.to_thread(wire.parse_header, dest[:n], n)
+                chunks = chunks.read_into(dest)
             else:
                 self._forget_mapping(path)
-                async for chunk in _paced(chunks, limits, claimed):
-                    n += len(chunk)
-                    if n > limits.max_body:
-                        raise _too_large(n, limits.max_body)
-                    if len(head) < 8 or len(head) < wire.header_length(head):
-                        head += chunk  # keep the first bytes in memory to parse the header
-                    os.write(fd, chunk)
+            async for chunk in _paced(chunks, limits, claimed):
+                n += len(chunk)
+                if n > limits.max_body:
+                    raise _too_large(n, limits.max_body)
+                if dest is not None:
+                    continue  # already in place
+                if len(head) < 8 or len(head) < wire.header_length(head):
+                    head += chunk  # keep the first bytes in memory to parse the header
+                os.write(fd, chunk)
+            if dest is None:
                 os.ftruncate(fd, n)  # a reused file may have been longer
-                if n == 0:
-                    raise BadAdapter("request body is empty; send one safetensors file",
-                                     code="empty_body")
-                # Off the event loop: a large header takes a while to parse, and generation
-                # requests must not wait for it.
-                header = await asyncio.to_thread(wire.parse_header, memoryview(head), n)
+            if n == 0:
+                raise BadAdapter("request body is empty; send one safetensors file",
+                                 code="empty_body")
+            # Off the event loop: a large header takes a while to parse, and generation
+            # requests must not wait for it.
+            header = await asyncio.to_thread(
+                wire.parse_header, memoryview(head) if dest is None else dest[:n], n)
         except BaseException:
             self.recycle(path)
             raise

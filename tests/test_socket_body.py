@@ -159,9 +159,10 @@ request_plans = st.lists(st.tuples(
          seed=1)
 def test_bodies_arrive_exactly_or_not_at_all(server, plans, seed):
     """Whatever the sizes and pieces, read in chunks or into a buffer of the body's length:
-    the app reads exactly the body's bytes (never a byte of what follows), a taken-over connection is closed after its reply, one read through
-    uvicorn stays open (and answers a pipelined request), a client vanishing mid-body is
-    seen as a disconnect, and no descriptor is left behind."""
+    the app reads exactly the body's bytes (never a byte of what follows), a taken-over
+    connection is closed after its reply, one read through uvicorn stays open (and answers a
+    pipelined request), a client vanishing mid-body is seen as a disconnect, and no
+    descriptor is left behind."""
     app, port = server
     fds = _open_fds()
     rng = random.Random(seed)

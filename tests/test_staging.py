@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from lora_sync import pages, wire
 from lora_sync.server.socket_body import BodyChunks
+from lora_sync.errors import TimedOut
 from lora_sync.staging import BodyLimits, StagingArea, open_staged
 
 from .helpers import smaps_kb, wait_until
@@ -126,6 +127,39 @@ def test_a_body_a_kept_files_mapping_spans_lands_in_it(area):
     wait_until(lambda: not collapses_running(), 30, "kept file readied")
     longer = receive(6 << 20, 5)
     assert longer.path == first.path and first.path not in area.mapped
+
+
+def test_a_body_that_stalls_in_a_kept_mapping_is_cut_and_the_file_serves_the_next(area):
+    """A slow client in the mapping's path meets the same bound as any upload (the idle
+    timeout): refused with `body_timeout`, the file kept with its mapping, and the next body
+    in it reads back exactly."""
+    chunks, _ = body_of(3 << 20, seed=1)
+    total = sum(len(c) for c in chunks)
+    first = stage(area, chunks)
+    area.recycle(first.path)
+    wait_until(lambda: not collapses_running(), 30, "kept file readied")
+    ready = area.mapped[first.path]
+
+    async def half_then_silence():
+        sent = 0
+        async for piece in _chunks(chunks, 65536):
+            if sent >= total // 2:
+                await asyncio.sleep(30)
+            sent += len(piece)
+            yield piece
+
+    quick = BodyLimits(max_body=LIMITS.max_body, max_inflight=LIMITS.max_inflight, idle_s=0.3)
+    with pytest.raises(TimedOut) as refused:
+        asyncio.run(area.receive_body(BodyChunks(None, total, half_then_silence()), quick,
+                                      total))
+    assert refused.value.code == "body_timeout"
+    assert area.free == [first.path] and area.mapped[first.path] is ready
+    chunks, tensors = body_of(3 << 20, seed=2)
+    total = sum(len(c) for c in chunks)
+    staged = asyncio.run(area.receive_body(BodyChunks(None, total, _chunks(chunks, 65536)),
+                                           LIMITS, total))
+    assert staged.path == first.path and area.mapped[first.path] is ready
+    assert _reads_back(staged, tensors, 2)
 
 
 @settings(max_examples=15, deadline=None)
