@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 
 from . import pages, wire
+from .background import Yielding
 from .errors import BadAdapter, PayloadTooLarge, TimedOut, TooBusy
 
 SHM_DIR = os.environ.get("LORA_SYNC_SHM_DIR", "/dev/shm")
@@ -75,11 +76,13 @@ class StagingArea:
     cheaper than filling fresh ones where freed memory goes back to the host (a VM): see
     docs/protocol.md, "Why memory is reused"."""
 
-    def __init__(self, spare: int = 2, root: str = SHM_DIR):
+    def __init__(self, spare: int = 2, root: str = SHM_DIR, map_kept: bool = True):
+        """`map_kept`: keep a writable mapping of each kept file for bodies read straight
+        into it (only bodies read from the socket are: False when none is)."""
         _remove_orphans(root)
         self.dir = staging_dir(root)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        self.spare, self.free = spare, []
+        self.spare, self.free, self.map_kept = spare, [], map_kept
         # Each kept file's size when it was last given huge pages (or sent on its way to
         # them), lowered when a body shrinks it: bytes past it are in small pages.
         self.huge: dict[str, int] = {}
@@ -87,6 +90,8 @@ class StagingArea:
         # (`recycle`): a body then lands in it straight from the socket.
         self.mapped: dict[str, Future] = {}
         self.inflight = 0  # bytes claimed by bodies being received now
+        # How the bodies staged so far landed: read into a kept mapping, or written.
+        self.landed = {"in_place": 0, "written": 0}
         atexit.register(self.close)
 
     async def receive_body(self, chunks, limits: BodyLimits, content_length: int | None = None,
@@ -141,6 +146,7 @@ class StagingArea:
         finally:
             os.close(fd)
             self.inflight -= claimed
+        self.landed["written" if dest is None else "in_place"] += 1
         return StagedBody(path, n, header)
 
     def _mapping_of(self, path: str, nbytes: int | None) -> mmap.mmap | None:
@@ -178,10 +184,10 @@ class StagingArea:
             size, held = os.path.getsize(path), self.huge.get(path)
             self.huge[path] = size
             huge = held is None or size > held
-            if huge or self._mapping_of(path, size) is None:
+            if huge or (self.map_kept and self._mapping_of(path, size) is None):
                 ready = self.mapped[path] = Future()
-                threading.Thread(target=_ready_kept, args=(path, huge, ready), daemon=True,
-                                 name="lora-sync-staging-ready").start()
+                threading.Thread(target=_ready_kept, args=(path, huge, self.map_kept, ready),
+                                 daemon=True, name="lora-sync-staging-ready").start()
             self.free.append(path)
         else:
             self.huge.pop(path, None)
@@ -212,12 +218,14 @@ async def _paced(chunks, limits: BodyLimits, nbytes: int):
                        code="body_timeout") from None
 
 
-def _ready_kept(path: str, huge: bool, ready: Future) -> None:
-    """A kept file readied for its next body: in huge pages (`huge`), then mapped writable
-    with its page tables filled (`ready`'s result; None if it could not be). A body that
+def _ready_kept(path: str, huge: bool, mapped: bool, ready: Future) -> None:
+    """A kept file readied for its next body: in huge pages (`huge`), then (`mapped`) mapped
+    writable with its page tables filled (`ready`'s result; None if it is not). A body that
     comes before it is done is written as before, and this mapping is dropped; its bytes
     are safe meanwhile: the kernel locks each page it moves, and filling page tables writes
-    nothing."""
+    nothing. At the lowest CPU priority: it runs while the engine serves the version just
+    pushed, and nothing waits for it."""
+    Yielding().lower()
     mapping = None
     try:
         fd = os.open(path, os.O_RDWR)
@@ -228,7 +236,7 @@ def _ready_kept(path: str, huge: bool, ready: Future) -> None:
         size = os.fstat(fd).st_size
         if huge:
             pages.give_huge_pages(fd, size)
-        if size:
+        if size and mapped:
             mapping = pages.map_filled(fd, size)
     except (OSError, ValueError):  # no memory or address space, or the file was resized
         mapping = None                # meanwhile: bodies are written as before

@@ -1,6 +1,8 @@
 """The tensor route on real vLLM and SGLang CPU servers: token identity with the engine's own
 disk load, and LRU eviction. Its rules (bodies, limits, versions) are checked with the fake
 engine in test_service.py."""
+import time
+
 from lora_sync import LoRASyncClient, http
 
 from .helpers import AUTH, disk_model, greedy, wait_until
@@ -69,3 +71,29 @@ def test_a_large_body_is_read_from_the_socket(client, make_adapter, workdir):
     adapter.save(workdir / "disk-sock64")
     client.load_from_disk(str(workdir / "disk-sock64"), "disk-sock64")
     assert greedy(client, "sock64-v1") == greedy(client, disk_model(client, "disk-sock64"))
+
+
+def test_bodies_land_in_a_kept_files_pages_and_serve_like_disk(client, make_adapter, workdir):
+    """Once a retired version's staged file is kept and readied (staging.py), the next body
+    of its size is read from the socket straight into that file's mapping: the server's
+    count shows the path taken, and the version serves exactly like the adapter from disk."""
+    adapter = make_adapter(seed=13, rank=64)
+
+    def in_place() -> int:
+        return client.info()[0]["staged_bodies"]["in_place"]
+
+    def draining() -> list:
+        return [v for a in client.adapters()[0]["adapters"] if a["name"] == "land"
+                for v in a["draining"]]
+    before, version = in_place(), 0
+    for _ in range(8):  # the window fills, a version retires, its file is readied
+        [res] = client.push(adapter, "land", transport="tensors")
+        version = res.version
+        if in_place() > before:
+            break
+        wait_until(lambda: not draining(), 30, "retired versions freed")
+        time.sleep(0.5)  # the freed file is readied on a thread at the lowest priority
+    assert in_place() > before, client.info()[0]["staged_bodies"]
+    adapter.save(workdir / "disk-land")
+    client.load_from_disk(str(workdir / "disk-land"), "disk-land")
+    assert greedy(client, f"land-v{version}") == greedy(client, disk_model(client, "disk-land"))

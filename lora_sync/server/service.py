@@ -154,7 +154,7 @@ class AdapterService:
         self.records: dict[str, AdapterRecord] = {}     # served name -> record
         self._locks: dict[str, asyncio.Lock] = {}
         self._spec: ModelSpec | None = None
-        self.staging = StagingArea()
+        self.staging = StagingArea(map_kept=self.settings.socket_body)
         self.workers = Workers(bridge)
         # Per transport, what it may use: its own state between requests (shm: the open
         # leases; broadcast: the groups) and what the service lends it.
@@ -452,6 +452,7 @@ class AdapterService:
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
                 "max_names": self.settings.max_names,
+                "staged_bodies": dict(self.staging.landed),
                 **{k: v for n, t in TRANSPORTS.items()
                    for k, v in t.info(self.contexts[n].state).items()}}
 
