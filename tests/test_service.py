@@ -30,6 +30,7 @@ import torch
 
 from lora_sync import (BadAdapter, LoRAAdapter, LoRASyncClient, LoRASyncError, NotFound,
                        Unauthorized, VersionConflict, http, wire)
+from lora_sync.server import service as service_module
 from lora_sync.trainer.fleet import FleetMemory
 from lora_sync.transports import shm
 
@@ -256,6 +257,67 @@ def test_retiring_a_busy_version_never_blocks(fake_server, fake_client, make_ada
     assert done["reply"]["choices"][0]["text"] == v1_text
     wait_until(lambda: held_versions(c, "busy") == [2, 3, 4], what="v1 freed")
     assert v1_id in fake_server.bridge.freed
+
+
+def retire_first(c, make_adapter, name: str, seed: int) -> int:
+    """Pushes KEEP + 1 versions of `name`: v1 retires. Returns v1's adapter id."""
+    c.push(make_adapter(seed=seed), name, transport="tensors")
+    [v1_id] = adapter_ids(c, name)
+    for i in range(KEEP):
+        c.push(make_adapter(seed=seed + 1 + i), name, transport="tensors")
+    return v1_id
+
+
+def test_a_retired_version_is_freed_after_the_requests_that_follow_its_push(
+        fake_server, fake_client, make_adapter, monkeypatch):
+    """Freeing takes the engine's own thread (SGLang zeroes a memory-pool slot): a retired
+    version waits while a request on the new version runs, past the quiet time, and is freed
+    once it ends."""
+    monkeypatch.setattr(service_module, "FREE_QUIET_S", 1.0)
+    monkeypatch.setattr(service_module, "FREE_DEFER_MAX_S", 60.0)
+    c = fake_client
+    v1_id = retire_first(c, make_adapter, "pause", seed=530)
+    request = Background("POST", f"{fake_server.url}/v1/completions",
+                         {"model": "pause", "prompt": PROMPT, "fake_delay_s": 3.0})
+    wait_until(lambda: inflight(c, f"pause-v{KEEP + 1}") == 1, what="the request admitted")
+    time.sleep(1.5)  # past the quiet time, the request still runs
+    assert v1_id not in fake_server.bridge.freed
+    assert inflight(c, f"pause-v{KEEP + 1}") == 1
+    assert request.join()["status"] == 200
+    wait_until(lambda: v1_id in fake_server.bridge.freed, what="v1 freed once requests paused")
+    assert held_versions(c, "pause") == list(range(2, KEEP + 2))
+
+
+def test_a_push_frees_retired_versions_waiting_for_a_pause_first(
+        fake_server, fake_client, make_adapter, monkeypatch):
+    """A push never finds retired versions still held (their memory is what it reuses):
+    those waiting for requests to pause are freed before it."""
+    monkeypatch.setattr(service_module, "FREE_QUIET_S", 60.0)
+    monkeypatch.setattr(service_module, "FREE_DEFER_MAX_S", 120.0)
+    c = fake_client
+    v1_id = retire_first(c, make_adapter, "settle", seed=540)
+    time.sleep(0.2)
+    assert v1_id not in fake_server.bridge.freed  # waiting for requests to pause
+    v2_id = next(v["adapter_id"] for v in listing(c, "settle")["versions"]
+                 if v["version"] == 2)
+    c.push(make_adapter(seed=549), "settle", transport="tensors")
+    assert v1_id in fake_server.bridge.freed  # freed before the push went on
+    assert v2_id not in fake_server.bridge.freed  # retired by that push: it waits
+    assert len(fake_server.service._deferred) == 1
+
+
+def test_a_retired_version_is_freed_in_bounded_time_under_endless_requests(
+        fake_server, fake_client, make_adapter, monkeypatch):
+    """Requests that never pause hold a retired version's memory FREE_DEFER_MAX_S at most."""
+    monkeypatch.setattr(service_module, "FREE_QUIET_S", 0.1)
+    monkeypatch.setattr(service_module, "FREE_DEFER_MAX_S", 0.5)
+    c = fake_client
+    v1_id = retire_first(c, make_adapter, "endless", seed=550)
+    request = Background("POST", f"{fake_server.url}/v1/completions",
+                         {"model": "endless", "prompt": PROMPT, "fake_delay_s": 5.0})
+    wait_until(lambda: v1_id in fake_server.bridge.freed, what="v1 freed at the bound")
+    assert inflight(c, f"endless-v{KEEP + 1}") == 1  # while the request still ran
+    assert request.join()["status"] == 200
 
 
 def test_a_version_the_engine_still_uses_waits_for_it(fake_server, fake_client, make_adapter):

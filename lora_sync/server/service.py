@@ -25,6 +25,11 @@ from .socket_body import check as check_socket_body
 
 # How often a drained version asks the engine whether a request still uses it.
 DRAIN_POLL_S = 0.05
+# A retired version's engine copy is freed off the path of the requests that follow a push
+# (`_requests_pause`): once none of ours has been in flight since FREE_QUIET_S after it
+# retired, at the latest FREE_DEFER_MAX_S after, and before the next push in any case.
+FREE_QUIET_S = 0.2
+FREE_DEFER_MAX_S = 1.0
 # Retired names remembered so a request on one gets `version_retired`, never another model.
 RETIRED_NAMES_KEPT = 4096
 
@@ -164,6 +169,7 @@ class AdapterService:
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
         self._evicting: set[asyncio.Task] = set()  # engine adapters unloaded by name
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
+        self._deferred: set[asyncio.Event] = set()    # frees waiting for requests to pause
         self.retired_names: OrderedDict[str, None] = OrderedDict()  # oldest first, bounded
 
     async def model_spec(self) -> ModelSpec:
@@ -357,33 +363,58 @@ class AdapterService:
         itself has no request on it."""
         if self.records.get(rec.served_name) is not rec or rec.served_name in self._draining:
             return  # already going
-        task = asyncio.get_running_loop().create_task(self._free(rec))
+        task = asyncio.get_running_loop().create_task(self._free(rec, time.monotonic()))
         self._draining[rec.served_name] = task
         task.add_done_callback(lambda _: self._draining.pop(rec.served_name, None))
 
-    async def _free(self, rec: AdapterRecord) -> None:
+    async def _free(self, rec: AdapterRecord, retired_at: float) -> None:
         await self.bridge.unpublish(rec.served_name)
         # Our count says no admitted request is left. The engine is asked too: a request
         # that reached it by a path admission did not count must finish before the adapter
         # goes, or the engine would fail on a missing adapter.
         await self._engine_done_with(rec.adapter_id)
-        self.records.pop(rec.served_name, None)
-        metrics.state_changed()  # the version's series go
-        if rec.name not in self.book.names():
-            # A retired name's numbering stays above its versions still present only: once
-            # they are all gone it may start again at 1.
-            present = [r.version for r in self.records.values() if r.name == rec.name]
-            if present:
-                self.book.floors[rec.name] = max(present)
-            else:
-                self.book.floors.pop(rec.name, None)
         async with self._settled_before_pushes():
+            await self._requests_pause(retired_at)
+            self.records.pop(rec.served_name, None)
+            metrics.state_changed()  # the version's series go
+            if rec.name not in self.book.names():
+                # A retired name's numbering stays above its versions still present only:
+                # once they are all gone it may start again at 1.
+                present = [r.version for r in self.records.values() if r.name == rec.name]
+                if present:
+                    self.book.floors[rec.name] = max(present)
+                else:
+                    self.book.floors.pop(rec.name, None)
             freed = await self._free_engine_copies([rec.adapter_id])
             # What the version held is reused only once no worker serves from it; if the
             # workers could not be told, it stays until the server stops (rare: a broken
             # engine RPC), never overwritten under a version still in use.
             if rec.hold is not None and freed:
                 rec.hold.close()
+
+    async def _requests_pause(self, retired_at: float) -> None:
+        """Waits until requests on our versions pause (FREE_QUIET_S past `retired_at`, none
+        in flight), FREE_DEFER_MAX_S at most; a push cuts it short (`settle`). Freeing takes
+        the engine's own thread: SGLang zeroes the version's memory-pool slot (70 MB at rank
+        64), and freed at once it ran into the first request on the new version (5 ms more
+        than after a disk load, whose old version a trainer unloads after)."""
+        wake = asyncio.Event()
+        self._deferred.add(wake)
+        try:
+            while True:
+                now = time.monotonic()
+                left = retired_at + FREE_DEFER_MAX_S - now
+                paused = now >= retired_at + FREE_QUIET_S and \
+                    not any(r.inflight for r in self.records.values())
+                if left <= 0 or paused:
+                    return
+                try:
+                    await asyncio.wait_for(wake.wait(), min(DRAIN_POLL_S, left))
+                    return
+                except TimeoutError:
+                    pass
+        finally:
+            self._deferred.discard(wake)
 
     def evict_when_idle(self, adapter_id: int) -> None:
         """An adapter the engine loaded itself was unloaded by name: its cached copy goes once
@@ -419,6 +450,8 @@ class AdapterService:
         so the push can reuse their memory; returns the milliseconds waited. Versions still
         busy in the engine are not waited for."""
         t0 = time.perf_counter()
+        for wake in list(self._deferred):  # frees waiting for requests to pause go now
+            wake.set()
         if self._freeing:
             await asyncio.gather(*list(self._freeing), return_exceptions=True)
         return (time.perf_counter() - t0) * 1e3
