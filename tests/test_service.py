@@ -268,17 +268,26 @@ def retire_first(c, make_adapter, name: str, seed: int) -> int:
     return v1_id
 
 
+def free_timing(monkeypatch, quiet_s: float, max_s: float) -> None:
+    """The service's FREE_QUIET_S and FREE_DEFER_MAX_S for one test."""
+    monkeypatch.setattr(service_module, "FREE_QUIET_S", quiet_s)
+    monkeypatch.setattr(service_module, "FREE_DEFER_MAX_S", max_s)
+
+
+def long_request(server, model: str, seconds: float) -> Background:
+    return Background("POST", f"{server.url}/v1/completions",
+                      {"model": model, "prompt": PROMPT, "fake_delay_s": seconds})
+
+
 def test_a_retired_version_is_freed_after_the_requests_that_follow_its_push(
         fake_server, fake_client, make_adapter, monkeypatch):
     """Freeing takes the engine's own thread (SGLang zeroes a memory-pool slot): a retired
     version waits while a request on the new version runs, past the quiet time, and is freed
     once it ends."""
-    monkeypatch.setattr(service_module, "FREE_QUIET_S", 1.0)
-    monkeypatch.setattr(service_module, "FREE_DEFER_MAX_S", 60.0)
+    free_timing(monkeypatch, quiet_s=1.0, max_s=60.0)
     c = fake_client
     v1_id = retire_first(c, make_adapter, "pause", seed=530)
-    request = Background("POST", f"{fake_server.url}/v1/completions",
-                         {"model": "pause", "prompt": PROMPT, "fake_delay_s": 3.0})
+    request = long_request(fake_server, "pause", 3.0)
     wait_until(lambda: inflight(c, f"pause-v{KEEP + 1}") == 1, what="the request admitted")
     time.sleep(1.5)  # past the quiet time, the request still runs
     assert v1_id not in fake_server.bridge.freed
@@ -292,8 +301,7 @@ def test_a_push_frees_retired_versions_waiting_for_a_pause_first(
         fake_server, fake_client, make_adapter, monkeypatch):
     """A push never finds retired versions still held (their memory is what it reuses):
     those waiting for requests to pause are freed before it."""
-    monkeypatch.setattr(service_module, "FREE_QUIET_S", 60.0)
-    monkeypatch.setattr(service_module, "FREE_DEFER_MAX_S", 120.0)
+    free_timing(monkeypatch, quiet_s=60.0, max_s=120.0)
     c = fake_client
     v1_id = retire_first(c, make_adapter, "settle", seed=540)
     time.sleep(0.2)
@@ -309,15 +317,31 @@ def test_a_push_frees_retired_versions_waiting_for_a_pause_first(
 def test_a_retired_version_is_freed_in_bounded_time_under_endless_requests(
         fake_server, fake_client, make_adapter, monkeypatch):
     """Requests that never pause hold a retired version's memory FREE_DEFER_MAX_S at most."""
-    monkeypatch.setattr(service_module, "FREE_QUIET_S", 0.1)
-    monkeypatch.setattr(service_module, "FREE_DEFER_MAX_S", 0.5)
+    free_timing(monkeypatch, quiet_s=0.1, max_s=0.5)
     c = fake_client
     v1_id = retire_first(c, make_adapter, "endless", seed=550)
-    request = Background("POST", f"{fake_server.url}/v1/completions",
-                         {"model": "endless", "prompt": PROMPT, "fake_delay_s": 5.0})
+    request = long_request(fake_server, "endless", 5.0)
     wait_until(lambda: v1_id in fake_server.bridge.freed, what="v1 freed at the bound")
     assert inflight(c, f"endless-v{KEEP + 1}") == 1  # while the request still ran
     assert request.join()["status"] == 200
+
+
+def test_a_retired_name_is_freed_at_once_and_numbers_again_from_1(
+        fake_server, fake_client, make_adapter, monkeypatch):
+    """Only versions a push retired wait for requests to pause: a name retired whole has no
+    new version whose requests come first. Its versions go at once, and a fresh client (it
+    numbers above the newest version a server still lists) starts the name again at 1."""
+    free_timing(monkeypatch, quiet_s=60.0, max_s=120.0)
+    c = fake_client
+    c.push(make_adapter(seed=560), "again", transport="tensors")
+    c.push(make_adapter(seed=561), "again", transport="tensors")
+    ids = adapter_ids(c, "again")
+    c.retire("again")
+    wait_until(lambda: ids <= set(fake_server.bridge.freed), 5, "the retired name's versions freed")
+    with LoRASyncClient(fake_server.url, engine=fake_server.engine,
+                        api_key=fake_server.api_key) as fresh:
+        [res] = fresh.push(make_adapter(seed=562), "again", transport="tensors")
+    assert res.version == 1
 
 
 def test_a_version_the_engine_still_uses_waits_for_it(fake_server, fake_client, make_adapter):

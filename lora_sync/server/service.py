@@ -294,7 +294,7 @@ class AdapterService:
                                 int(cfg["r"]), transport, (t3 - t0) * 1e3, hold=staged.hold)
             self.records[served] = rec
             self.retired_names.pop(name, None)
-            self._retire(name, retired)
+            self._retire(name, retired, by_push=True)
             metrics.state_changed()
         return {"name": served, "lora_name": name, "version": version, "bytes": staged.nbytes,
                 "load_ms": rec.load_ms, "transport": transport,
@@ -358,12 +358,13 @@ class AdapterService:
         if rec.retired and rec.inflight == 0:
             self._free_when_idle(rec)
 
-    def _free_when_idle(self, rec: AdapterRecord) -> None:
+    def _free_when_idle(self, rec: AdapterRecord, by_push: bool = False) -> None:
         """Unlists a version now; frees its engine copies in the background, once the engine
-        itself has no request on it."""
+        itself has no request on it (`by_push`: and once requests pause, _requests_pause)."""
         if self.records.get(rec.served_name) is not rec or rec.served_name in self._draining:
             return  # already going
-        task = asyncio.get_running_loop().create_task(self._free(rec, time.monotonic()))
+        retired_at = time.monotonic() if by_push else -math.inf  # -inf: no pause to wait
+        task = asyncio.get_running_loop().create_task(self._free(rec, retired_at))
         self._draining[rec.served_name] = task
         task.add_done_callback(lambda _: self._draining.pop(rec.served_name, None))
 
@@ -394,10 +395,12 @@ class AdapterService:
 
     async def _requests_pause(self, retired_at: float) -> None:
         """Waits until requests on our versions pause (FREE_QUIET_S past `retired_at`, none
-        in flight), FREE_DEFER_MAX_S at most; a push cuts it short (`settle`). Freeing takes
-        the engine's own thread: SGLang zeroes the version's memory-pool slot (70 MB at rank
-        64), and freed at once it ran into the first request on the new version (5 ms more
-        than after a disk load, whose old version a trainer unloads after)."""
+        in flight), FREE_DEFER_MAX_S at most; a push cuts it short (`settle`), and a version
+        retired otherwise (its name retired, its last request ended) does not wait.
+        Freeing takes the engine's own thread: SGLang zeroes the version's memory-pool slot
+        (70 MB at rank 64), and freed at once it ran into the first request on the new
+        version (5 ms more than after a disk load, whose old version a trainer unloads
+        after)."""
         wake = asyncio.Event()
         self._deferred.add(wake)
         try:
@@ -463,15 +466,17 @@ class AdapterService:
         except Exception:  # best effort: nothing was published for these ids
             return False
 
-    def _retire(self, name: str, versions: list[int]) -> None:
+    def _retire(self, name: str, versions: list[int], by_push: bool = False) -> None:
         """Never waits for generation: idle versions go now, busy ones when their last
-        request finishes (see `finish_request`)."""
+        request finishes (see `finish_request`). `by_push`: a push retired them, and the
+        requests on its new version come first (_requests_pause); a name retired whole
+        has none to wait for."""
         for v in versions:
             rec = self.records.get(naming.versioned(name, v))
             if rec is not None:
                 rec.retired = True
                 if rec.inflight == 0:
-                    self._free_when_idle(rec)
+                    self._free_when_idle(rec, by_push)
         metrics.state_changed()
 
     async def info(self) -> dict:
