@@ -20,10 +20,15 @@ from .wire import DTYPES, TensorSpec
 # the wire: faster than one flat buffer or pack-then-send (measured in docs/protocol.md,
 # "Bucket packing").
 DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
+# gloo: connections per pair of ranks, each carrying one bucket at a time. One TCP stream
+# leaves the wire idle between its segments; several in parallel fill it (docs/protocol.md,
+# "Parallel streams"). Every member of a group must use the same number.
+DEFAULT_STREAMS = 4
+MAX_STREAMS = 16
 
 
 def create_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 120.0) -> "Group":
+                 timeout_s: float = 120.0, streams: int = DEFAULT_STREAMS) -> "Group":
     """A process group that leaves torch.distributed's default group untouched (the engine
     already uses it). Rank 0 hosts the TCP store."""
     timeout = timedelta(seconds=timeout_s)
@@ -31,7 +36,13 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str 
                           wait_for_workers=False)
     prefixed = dist.PrefixStore(f"lora-sync/{host}:{port}", store)
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=timeout)
+        # gloo runs collective k on connection k mod streams, one thread per connection.
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()
+                         for _ in range(streams)]
+        opts._threads = max(2, streams)
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

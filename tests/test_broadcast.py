@@ -25,7 +25,9 @@ def test_broadcast_matches_disk(client, make_adapter, workdir):
 
 def test_ten_versions_in_one_group_follow_the_weights(client, make_adapter):
     a, b = make_adapter(seed=61), make_adapter(seed=62)
-    client.init_group(bucket_bytes=64 * 1024)  # several buckets per sync
+    # Several buckets per sync, over three connections: the workers must join with as many
+    # (a server that kept its default of collective.DEFAULT_STREAMS would never join).
+    client.init_group(bucket_bytes=64 * 1024, streams=3)
     outputs = {}
     for v in range(1, 11):
         [res] = client.broadcast(a if v % 2 else b, "ten")

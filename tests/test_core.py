@@ -509,6 +509,8 @@ def test_a_module_named_twice_is_refused():
      "timeout_s": "abc"},
     {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2,
      "group_name": [1]},
+    {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2,
+     "streams": 1000},
     {"master_address": ["h"], "master_port": 1, "rank_offset": 1, "world_size": 2},
 ])
 def test_group_requests_are_typed(body):

@@ -28,7 +28,7 @@ def make_tensors(shapes, seed=0):
             for i, (dt, shape) in enumerate(shapes)}
 
 
-def run_pair(send, receive, timeout_s=20):
+def run_pair(send, receive, timeout_s=20, streams=collective.DEFAULT_STREAMS):
     """Runs `send(group)` as rank 0 and `receive(group)` as rank 1 of a fresh gloo group;
     returns (sender outcome, receiver outcome): a value or the exception raised."""
     port = collective.free_port()
@@ -37,7 +37,8 @@ def run_pair(send, receive, timeout_s=20):
 
     def rank(r, fn):
         try:
-            group = collective.create_group("127.0.0.1", port, r, 2, "gloo", timeout_s=2)
+            group = collective.create_group("127.0.0.1", port, r, 2, "gloo", timeout_s=2,
+                                            streams=streams)
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[r] = e
             return
@@ -72,12 +73,14 @@ def frames_for(transfer, fill=None):
 SHAPES = [("F32", (16, 8)), ("F32", (8, 16)), ("BF16", (3, 5)), ("F32", (7,))]
 
 
-def test_honest_transfer_round_trips_exactly():
+@pytest.mark.parametrize("streams", [1, 3])
+def test_honest_transfer_round_trips_exactly(streams):
     tensors = make_tensors(SHAPES)
-    transfer = collective.Transfer.plan(specs_of(tensors), 77, bucket_bytes=4096)
+    transfer = collective.Transfer.plan(specs_of(tensors), 77, bucket_bytes=256)
     sent, got = run_pair(
         lambda g: collective.send_transfer(g, transfer, tensors, {}),
-        lambda g: collective.receive_transfer(g, transfer, frames_for(transfer)))
+        lambda g: collective.receive_transfer(g, transfer, frames_for(transfer)),
+        streams=streams)
     assert sent is None and isinstance(got, dict), (sent, got)
     assert set(got) == set(tensors)
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)

@@ -1430,6 +1430,7 @@ BAD_GROUP_FIELDS = [
     (INIT_GROUP, {"world_size": 1e30}), (INIT_GROUP, {"world_size": True}),
     (INIT_GROUP, {"master_address": {"a": 1}}), (INIT_GROUP, {"backend": "mpi"}),
     (INIT_GROUP, {"rank_offset": 2, "world_size": 2}),
+    (INIT_GROUP, {"streams": 0}), (INIT_GROUP, {"streams": 17}), (INIT_GROUP, {"streams": "4"}),
     (DISTRIBUTED, {"bucket_bytes": "abc"}), (DISTRIBUTED, {"tensors": "x"}),
     (DISTRIBUTED, {"tensors": [{"name": "a", "dtype": "F32", "shape": ["8"]}]}),
     (DISTRIBUTED, {"version": 1.5}), (DISTRIBUTED, {"checksum": 7}),

@@ -77,7 +77,8 @@ class WorkerState:
     # -- groups ---------------------------------------------------------------------
     def init_group_in_background(self, group_name: str, notice_path: str, host: str,
                                  port: int, rank: int, world_size: int, backend: str,
-                                 timeout_s: float) -> None:
+                                 timeout_s: float,
+                                 streams: int = collective.DEFAULT_STREAMS) -> None:
         """Joins the trainer's group on a thread: the rendezvous may wait for a slow or
         hostile peer, and the engine must keep generating meanwhile. The outcome goes to
         `notice_path`; a group that comes up after the API gave up is shut down."""
@@ -89,7 +90,8 @@ class WorkerState:
 
         def create() -> None:
             try:
-                pg = collective.create_group(host, port, rank, world_size, backend, timeout_s)
+                pg = collective.create_group(host, port, rank, world_size, backend, timeout_s,
+                                             streams)
             except Exception as e:
                 raise TransferFailed(f"could not join group {group_name!r} at {host}:{port} "
                                      f"within {timeout_s:g} s: {str(e)[:300]}") from e

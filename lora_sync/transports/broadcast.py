@@ -57,6 +57,7 @@ class TrainerGroup:
     device: str
     bucket_bytes: int
     timeout_s: float
+    streams: int
     tokens: dict = field(default_factory=dict)  # server url -> the group's ownership token
     broken: bool = False
     send_buffers: dict = field(default_factory=dict)  # the frames, kept between pushes
@@ -67,23 +68,26 @@ class TrainerGroup:
 def init_group(servers: list, headers: dict, infos: list, master_address: str,
                master_port: int, backend: str = "gloo", group_name: str = "default",
                timeout_s: float = 120.0,
-               bucket_bytes: int = collective.DEFAULT_BUCKET_BYTES) -> TrainerGroup:
+               bucket_bytes: int = collective.DEFAULT_BUCKET_BYTES,
+               streams: int = collective.DEFAULT_STREAMS) -> TrainerGroup:
     """Forms one group with every worker of every server (`infos`: their lora_sync_info):
     server i's workers take ranks offset_i .. offset_i + workers_i - 1, offsets following
-    the server order. A server that refuses to join fails the call at once."""
+    the server order. A server that refuses to join fails the call at once. `streams`:
+    gloo connections per pair of ranks (collective.DEFAULT_STREAMS)."""
     offsets, world = [], 1
     for info in infos:
         offsets.append(world)
         world += int(info["workers"])
     bodies = [{"master_address": master_address, "master_port": master_port,
                "rank_offset": off, "world_size": world, "backend": backend,
-               "group_name": group_name, "timeout_s": timeout_s} for off in offsets]
+               "group_name": group_name, "timeout_s": timeout_s, "streams": streams}
+              for off in offsets]
     forming: Future = Future()
 
     def rendezvous():  # a daemon thread: a refused group must not hold the trainer's exit
         try:
             forming.set_result(collective.create_group(master_address, master_port, 0, world,
-                                                       backend, timeout_s))
+                                                       backend, timeout_s, streams))
         except BaseException as e:
             forming.set_exception(e)
     pool = ThreadPoolExecutor(len(servers))
@@ -104,7 +108,7 @@ def init_group(servers: list, headers: dict, infos: list, master_address: str,
         pool.shutdown(wait=False)
     device = "cuda" if backend == "nccl" else "cpu"
     group = TrainerGroup(group_name, pg, world, backend, device, bucket_bytes, timeout_s,
-                         {s.url: r.get("group_token") for s, r in zip(servers, replies)})
+                         streams, {s.url: r.get("group_token") for s, r in zip(servers, replies)})
     group.specs = [ModelSpec({k: tuple(v) for k, v in i["linear_modules"].items()},
                              int(i["max_lora_rank"])) for i in infos]
     return group
@@ -164,6 +168,7 @@ class InitGroupRequest:
     backend: str
     group_name: str
     timeout_s: float
+    streams: int
 
     @classmethod
     def from_json(cls, body: dict) -> "InitGroupRequest":
@@ -181,7 +186,9 @@ class InitGroupRequest:
                                   where=where),
             backend=backend, group_name=group_name_of(body),
             timeout_s=json_field(body, "timeout_s", float, 120.0, lo=0.1,
-                                 hi=MAX_GROUP_TIMEOUT_S, where=where))
+                                 hi=MAX_GROUP_TIMEOUT_S, where=where),
+            streams=json_field(body, "streams", int, collective.DEFAULT_STREAMS, lo=1,
+                               hi=collective.MAX_STREAMS, where=where))
 
 
 @dataclass(frozen=True)
@@ -416,7 +423,7 @@ class BroadcastTransport(Transport):
             await ctx.workers.call_in_background(
                 "init_group", req.timeout_s + 2, group_name=req.group_name, host=address,
                 port=req.master_port, rank_offset=req.rank_offset, world_size=req.world_size,
-                backend=req.backend, timeout_s=req.timeout_s)
+                backend=req.backend, timeout_s=req.timeout_s, streams=req.streams)
         except LoRASyncError as e:
             if e.code != "group_exists":  # a half-made group (some workers joined) goes
                 await asyncio.shield(ctx.workers.call("destroy_group",
