@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lora_sync import LoRASyncClient, collective, http
+from lora_sync import BadAdapter, LoRASyncClient, collective, http
 from lora_sync.wire import TensorSpec
 
 from .engine_fakes import served_text
@@ -138,3 +138,22 @@ def test_a_push_can_name_only_a_layout_its_group_holds(fake_server, make_adapter
         assert greedy(mine, name) == served_text(last)
         assert not bridge.violations, bridge.violations
 
+
+
+def test_the_trainer_checks_every_changed_layout_again(fake_server, make_adapter, sent_bodies):
+    """A group keeps the last layout it checked (TrainerGroup.plan): a push whose tensors or
+    config differ from it, even by a config edited in place, is checked again and refused
+    before any request or collective call."""
+    with LoRASyncClient(fake_server.url, api_key=fake_server.api_key) as c:
+        c.init_group(timeout_s=20)
+        adapter = make_adapter(1)
+        c.broadcast(adapter, "chk")
+        adapter.config["target_modules"] = [*adapter.config["target_modules"], "no_such_proj"]
+        with pytest.raises(BadAdapter, match="no_such_proj"):
+            c.broadcast(adapter, "chk")
+        with pytest.raises(BadAdapter, match="rank"):
+            c.broadcast(make_adapter(2, rank=128), "chk")
+        c.broadcast(make_adapter(3), "chk")
+        assert greedy(c, "chk") == served_text(make_adapter(3))
+        c.destroy_group()
+    assert len(sent_bodies) == 2
