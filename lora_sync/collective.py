@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import struct
 from dataclasses import dataclass
@@ -39,8 +40,7 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str 
         # gloo runs collective k on connection k mod streams, one thread per connection.
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()
-                         for _ in range(streams)]
+        opts._devices = _gloo_devices(streams)
         opts._threads = max(2, streams)
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     elif backend == "nccl":
@@ -51,6 +51,16 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str 
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     pg._set_sequence_number_for_group()
     return Group(pg, store)
+
+
+def _gloo_devices(count: int) -> list:
+    """`count` gloo devices on the interfaces GLOO_SOCKET_IFNAME lists, in turn, as torch's
+    own constructor picks them; without it, on the address the hostname resolves to."""
+    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    if not interfaces:
+        return [dist.ProcessGroupGloo.create_default_device() for _ in range(count)]
+    return [dist.ProcessGroupGloo.create_device(interface=interfaces[i % len(interfaces)])
+            for i in range(count)]
 
 
 @dataclass
