@@ -11,12 +11,13 @@ receive."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lora_sync import BadAdapter, LoRASyncClient, collective, http
+from lora_sync import BadAdapter, LoRASyncClient, LoRASyncError, collective, http
 from lora_sync.wire import TensorSpec
 
 from .engine_fakes import served_text
@@ -157,3 +158,22 @@ def test_the_trainer_checks_every_changed_layout_again(fake_server, make_adapter
         assert greedy(c, "chk") == served_text(make_adapter(3))
         c.destroy_group()
     assert len(sent_bodies) == 2
+
+
+def test_a_push_whose_request_never_left_breaks_the_group_without_waiting(make_fake_server,
+                                                                           make_adapter):
+    """The trainer starts packing and sending once a request has left (Outgoing.start); when
+    none leaves (the server went away), the push still ends with the server's error, well
+    inside the group's timeout, and the group is marked broken."""
+    server = make_fake_server()
+    with LoRASyncClient(server.url, api_key=server.api_key, timeout=60) as c:
+        group = c.init_group(timeout_s=30)
+        c.broadcast(make_adapter(1), "gone")
+        server.stop()
+        t0 = time.monotonic()
+        with pytest.raises(LoRASyncError) as e:
+            c.broadcast(make_adapter(2), "gone")
+        assert time.monotonic() - t0 < 15, "the push waited out the group's timeout"
+        assert e.value.code in ("unreachable", "connection_failed"), e.value
+        assert group.broken
+        c._group = None  # nothing left to destroy on a stopped server

@@ -149,10 +149,21 @@ class Outgoing:
     packed: threading.Event = field(default_factory=threading.Event)
     errors: list = field(default_factory=list)
     copy: PackedCopy | None = None  # with SendContext.keep: the frames, once all are packed
+    sender: threading.Thread | None = None  # packs and sends; started by `start`
+    started: bool = False
+    _start_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def mark_packed(self, copy: PackedCopy | None) -> None:
         self.copy = copy
         self.packed.set()
+
+    def start(self) -> None:
+        """Starts packing and sending, once: when the first server's request has left (its
+        packing then no longer competes with the request for a core), or at `finish`."""
+        with self._start_lock:
+            if not self.started:
+                self.started = True
+                self.sender.start()
 
 
 # -- typed messages ---------------------------------------------------------------------
@@ -385,7 +396,7 @@ class BroadcastTransport(Transport):
             finally:
                 out.packed.set()
                 out.sent.set()
-        threading.Thread(target=send, daemon=True, name="lora-sync-broadcast").start()
+        out.sender = threading.Thread(target=send, daemon=True, name="lora-sync-broadcast")
         return out
 
     def keeps_copy(self, group) -> bool:
@@ -397,11 +408,13 @@ class BroadcastTransport(Transport):
         if out.group.declared.get(server.url) == body["layout"]:
             del body["tensors"]  # the server holds this layout for the group: named only
         reply, _ = http.call("POST", server.route(LOAD_ROUTE), headers=ctx.headers,
-                             json_body=body, timeout=out.group.timeout_s + 60)
+                             json_body=body, timeout=out.group.timeout_s + 60,
+                             on_sent=out.start)
         return PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                      ctx.version)
 
     def finish(self, out: Outgoing, results: list) -> PackedCopy | None:
+        out.start()  # no request left (every server failed first): the copy is still packed
         for r in results:  # a server that took the push holds its layout
             if r.ok:
                 out.group.declared[r.server] = out.body["layout"]
