@@ -66,11 +66,6 @@ for n in sizes:
 """
 
 
-def buckets_of(flat: torch.Tensor) -> list[torch.Tensor]:
-    """The bytes cut as the broadcast transport cuts them (collective.DEFAULT_BUCKET_BYTES)."""
-    return list(flat.split(collective.DEFAULT_BUCKET_BYTES))
-
-
 def memcpy_s(nbytes: int, reps: int) -> list[float]:
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     out = []
@@ -125,7 +120,8 @@ def gloo_broadcast_s(sizes: list[int], idle_s: float = 0.0) -> list[float]:
         for n in sizes:
             time.sleep(idle_s)
             t0 = time.perf_counter()
-            for w in [g.start_broadcast(b, 0) for b in buckets_of(buf[:n])]:
+            for w in [g.start_broadcast(b, 0)
+                      for b in buf[:n].split(collective.DEFAULT_BUCKET_BYTES)]:
                 w.wait()
             out.append(time.perf_counter() - t0)
         return out

@@ -9,7 +9,6 @@ import threading
 import time
 from abc import ABC, abstractmethod
 
-from lora_sync import collective
 from lora_sync.errors import BadAdapter
 from lora_sync.messages import IntakeRequest, WorkerReply
 from lora_sync.notices import write_notice
@@ -125,8 +124,8 @@ class LoRASyncWorker:
         return {"held": len(self.state.adapters)}
 
     def init_group(self, group_name: str, host: str, port: int, rank_offset: int,
-                   world_size: int, backend: str, timeout_s: float, notice_paths: list,
-                   streams: int = collective.DEFAULT_STREAMS) -> None:
+                   world_size: int, backend: str, timeout_s: float, streams: int,
+                   notice_paths: list) -> None:
         """Starts joining the trainer's group and returns at once (see WorkerState)."""
         rank, _ = self.engine.rank()
         self.state.init_group_in_background(group_name, notice_paths[rank], host, port,

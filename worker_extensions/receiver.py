@@ -77,8 +77,7 @@ class WorkerState:
     # -- groups ---------------------------------------------------------------------
     def init_group_in_background(self, group_name: str, notice_path: str, host: str,
                                  port: int, rank: int, world_size: int, backend: str,
-                                 timeout_s: float,
-                                 streams: int = collective.DEFAULT_STREAMS) -> None:
+                                 timeout_s: float, streams: int) -> None:
         """Joins the trainer's group on a thread: the rendezvous may wait for a slow or
         hostile peer, and the engine must keep generating meanwhile. The outcome goes to
         `notice_path`; a group that comes up after the API gave up is shut down."""

@@ -58,7 +58,6 @@ class TrainerGroup:
     device: str
     bucket_bytes: int
     timeout_s: float
-    streams: int
     tokens: dict = field(default_factory=dict)  # server url -> the group's ownership token
     broken: bool = False
     send_buffers: dict = field(default_factory=dict)  # the frames, kept between pushes
@@ -69,9 +68,9 @@ class TrainerGroup:
     # took ~2 ms of each push.
     checked: tuple | None = None
 
-    def plan(self, adapter: LoRAAdapter) -> collective.Transfer:
-        """The transfer of `adapter` under a new id, once its layout and config are checked
-        against every server's model (before any collective call)."""
+    def plan(self, adapter: LoRAAdapter) -> tuple[list[TensorSpec], collective.Transfer]:
+        """The adapter's specs and its transfer under a new id, once its layout and config
+        are checked against every server's model (before any collective call)."""
         specs, config = adapter.specs(), json.dumps(adapter.config, sort_keys=True)
         if self.checked is None or self.checked[:2] != (specs, config):
             self.checked = None
@@ -79,7 +78,8 @@ class TrainerGroup:
                 check_adapter(specs, adapter.config, spec)
             self.checked = (specs, config,
                             collective.Transfer.plan(specs, 0, self.bucket_bytes))
-        return replace(self.checked[2], transfer_id=secrets.randbelow(MAX_TRANSFER_ID) + 1)
+        specs, _, transfer = self.checked
+        return specs, replace(transfer, transfer_id=secrets.randbelow(MAX_TRANSFER_ID) + 1)
 
 
 def init_group(servers: list, headers: dict, infos: list, master_address: str,
@@ -125,7 +125,7 @@ def init_group(servers: list, headers: dict, infos: list, master_address: str,
         pool.shutdown(wait=False)
     device = "cuda" if backend == "nccl" else "cpu"
     group = TrainerGroup(group_name, pg, world, backend, device, bucket_bytes, timeout_s,
-                         streams, {s.url: r.get("group_token") for s, r in zip(servers, replies)})
+                         {s.url: r.get("group_token") for s, r in zip(servers, replies)})
     group.specs = [ModelSpec({k: tuple(v) for k, v in i["linear_modules"].items()},
                              int(i["max_lora_rank"])) for i in infos]
     return group
@@ -364,10 +364,10 @@ class BroadcastTransport(Transport):
         if group.broken:
             raise TransferFailed(f"group {group.name!r} failed earlier; destroy it and call "
                                  "init_group again")
-        transfer = group.plan(adapter)
+        specs, transfer = group.plan(adapter)
         out = Outgoing(group, {
             "lora_name": ctx.name, "version": ctx.version, "adapter_config": adapter.config,
-            "tensors": [s.to_json() for s in group.checked[0]], "layout": transfer.layout,
+            "tensors": [s.to_json() for s in specs], "layout": transfer.layout,
             "group_name": group.name, "bucket_bytes": group.bucket_bytes,
             "transfer_id": transfer.transfer_id,
             "checksum": adapter.checksum() if ctx.checksum else None})
