@@ -167,23 +167,6 @@ def _rank_mismatch_bodies(adapter):
             ("every module twice under two names", doubled)]
 
 
-BAD_GROUP_FIELDS = [
-    ("init_lora_update_group", {"timeout_s": "abc"}),
-    ("init_lora_update_group", {"timeout_s": 1e300}),
-    ("init_lora_update_group", {"master_port": 70000}),
-    ("init_lora_update_group", {"group_name": [1]}),
-    ("init_lora_update_group", {"world_size": 1e30}),
-    ("init_lora_update_group", {"world_size": True}),
-    ("init_lora_update_group", {"master_address": {"a": 1}}),
-    ("load_lora_adapter_from_distributed", {"bucket_bytes": "abc"}),
-    ("load_lora_adapter_from_distributed", {"tensors": "x"}),
-    ("load_lora_adapter_from_distributed", {"tensors": [{"name": "a", "dtype": "F32",
-                                                         "shape": ["8"]}]}),
-    ("load_lora_adapter_from_distributed", {"version": 1.5}),
-    ("load_lora_adapter_from_distributed", {"checksum": 7}),
-]
-
-
 @ONE_ENGINE
 def test_rendezvous_blackhole_neither_blocks_generation_nor_outlives_its_timeout(
         client, server, make_adapter):

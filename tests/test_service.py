@@ -1438,7 +1438,8 @@ BAD_GROUP_FIELDS = [
 
 
 def test_group_fields_are_type_and_range_checked(fake_server, fake_client):
-    """test_attacks.py::test_group_fields_are_type_and_range_checked."""
+    """Every group field of the broadcast routes is typed and ranged before a worker is
+    asked anything (the parsing is ours, the same on every engine)."""
     good = {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1,
             "world_size": 2, "lora_name": "grp", "tensors": [], "adapter_config": {"r": 8}}
     joins = fake_server.bridge.calls.count("init_group")
