@@ -23,7 +23,8 @@ def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
 
 def test_adapter_survives_lru_eviction(vllm, make_adapter):
     """vLLM keeps 4 adapters in its CPU cache: the first one is evicted, then rebuilt from
-    memory (it has no path) with identical output."""
+    memory (it has no path) with identical output. Its slots are written by lora-sync's slot
+    writer (lora_B scaled on the way), also when the adapter comes back."""
     client = LoRASyncClient(vllm.url, api_key=vllm.api_key)
     client.push(make_adapter(seed=41), "lru0", transport="tensors")
     first = greedy(client, "lru0")
@@ -34,6 +35,7 @@ def test_adapter_survives_lru_eviction(vllm, make_adapter):
     lru0_id = next(v["adapter_id"] for a in client.adapters()[0]["adapters"]
                    if a["name"] == "lru0" for v in a["versions"])
     assert lru0_id not in info["worker_status"][0]["cached_ids"], "lru0 was not evicted"
+    assert lru0_id in info["worker_status"][0]["engine"]["slot_written"]
     assert greedy(client, "lru0") == first
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,3 +50,109 @@ def test_folding_the_scaling_out_of_place_equals_vllms_optimize(make_adapter, dt
         w.optimize()  # vLLM's own step at registration: nothing left to do
     assert all(torch.equal(before[k], mapped[k]) for k in mapped)
     os.close(fd)
+
+
+def plain_layer(cls, in_dim: int, outs: list[int], max_rank: int, seed: int = 0):
+    """One of vLLM's LoRA layer classes with its stacked buffers, 2 slots full of noise (what
+    an earlier adapter left), without a model around it."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = cls.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    layer.tp_size, layer.n_slices, layer.device = 1, len(outs), torch.device("cpu")
+    layer.lora_a_stacked = tuple(torch.randn(2, 1, max_rank, in_dim, generator=gen)
+                                 .bfloat16() for _ in outs)
+    layer.lora_b_stacked = tuple(torch.randn(2, 1, o, max_rank, generator=gen).bfloat16()
+                                 for o in outs)
+    return layer
+
+
+def fake_manager(modules: dict, packed: dict | None = None):
+    """What install_slot_writer and defer_scaling read of vLLM's worker LoRA manager."""
+    inner = SimpleNamespace(modules=modules, packed_modules=packed or {})
+    return SimpleNamespace(_adapter_manager=inner)
+
+
+def marked(lora_b: list, scaling: float) -> None:
+    """Marks lora_B tensors as defer_scaling marks an adapter's."""
+    weights = {f"m{i}": SimpleNamespace(lora_b=b, scaling=scaling)
+               for i, b in enumerate(lora_b) if b is not None}
+    assert engine_api.defer_scaling(fake_manager({}), SimpleNamespace(loras=weights),
+                                    frozenset(weights))
+    assert all(w.scaling == 1 for w in weights.values())
+
+
+SLOT_CASES = [("RowParallelLinearWithLoRA", 48, [40]),
+              ("QKVParallelLinearWithLoRA", 40, [72]),
+              ("MergedQKVParallelLinearWithLoRA", 40, [40, 16, 16]),
+              ("MergedColumnParallelLinearWithLoRA", 40, [56, 56])]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_slot_writer_writes_what_vllms_set_lora_writes(seed):
+    """For every plain layer, random ranks up to the slot's, slices without weights, a
+    scaling that rounds or none: the slot holds, bit for bit, what vLLM's set_lora writes
+    after its optimize() scaled lora_B, and the other slot is untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    classes = {c.__name__: c for c in engine_api.plain_slot_layers()}
+    for name, in_dim, outs in SLOT_CASES:
+        max_rank = 16
+        rank = int(torch.randint(1, max_rank + 1, (1,), generator=gen))
+        scaling = [1.0, 2.0, 3 / 7][seed % 3]
+        lora_a = [torch.randn(rank, in_dim, generator=gen).bfloat16() for _ in outs]
+        lora_b = [torch.randn(o, rank, generator=gen).bfloat16() for o in outs]
+        if len(outs) > 1:  # a slice the adapter does not train
+            gone = int(torch.randint(0, len(outs), (1,), generator=gen))
+            lora_a[gone] = lora_b[gone] = None
+        vllms = plain_layer(classes[name], in_dim, outs, max_rank, seed)
+        ours = plain_layer(classes[name], in_dim, outs, max_rank, seed)
+        index = seed % 2
+        shape = (lambda x: x) if len(outs) > 1 else (lambda x: x[0])
+
+        folded = [None if b is None else b.clone().mul_(scaling) for b in lora_b]
+        vllms.set_lora(index, shape(lora_a), shape(folded))
+        marked(lora_b, scaling)
+        engine_api._write_slot(ours, ours.set_lora, index, shape(lora_a), shape(lora_b))
+        for got, want in zip(ours.lora_a_stacked + ours.lora_b_stacked,
+                             vllms.lora_a_stacked + vllms.lora_b_stacked):
+            assert torch.equal(got, want), (name, rank, scaling)
+
+
+def test_adapters_not_marked_keep_vllms_set_lora():
+    """An adapter vLLM loaded itself (no mark) goes through vLLM's own set_lora, untouched."""
+    layer = plain_layer(engine_api.plain_slot_layers()[0], 8, [8], 4)
+    calls = []
+    a, b = torch.ones(4, 8).bfloat16(), torch.ones(8, 4).bfloat16()
+    engine_api._write_slot(layer, lambda *args: calls.append(args), 1, a, b)
+    assert calls == [(1, a, b)]
+
+
+def test_the_slot_writer_takes_plain_cpu_layers_only():
+    """vLLM's other layers (here its embedding) and sharded ones keep vLLM's set_lora; an
+    adapter with a weight in such a layer is not marked (build folds its scaling), one
+    whose weights all land in plain layers, packed q/k/v included, is."""
+    from vllm.lora.layers import VocabParallelEmbeddingWithLoRA
+    embed = VocabParallelEmbeddingWithLoRA.__new__(VocabParallelEmbeddingWithLoRA)
+    torch.nn.Module.__init__(embed)
+    embed.tp_size, embed.device = 1, torch.device("cpu")
+    qkv, down, sharded = (plain_layer(c, 8, [8], 4) for c in engine_api.plain_slot_layers()[:3])
+    sharded.tp_size = 2
+    manager = fake_manager({"l0.qkv": qkv, "l0.down": down, "l1.o": sharded, "embed": embed},
+                           packed={"l0.qkv": ["l0.q", "l0.k", "l0.v"]})
+    layers = engine_api.install_slot_writer(manager)
+    assert layers == {"l0.qkv", "l0.down"}
+    assert engine_api.install_slot_writer(manager) == layers  # wrapped once
+    assert all(m.set_lora.func is engine_api._write_slot and m.set_lora.args[1].__self__ is m
+               for m in (qkv, down))
+    assert all("set_lora" not in m.__dict__ for m in (sharded, embed))
+
+    def adapter(*names):
+        return SimpleNamespace(loras={n: SimpleNamespace(lora_b=torch.ones(2, 2), scaling=2.0)
+                                      for n in names})
+    for names in [("l0.q", "embed"), ("l0.q", "l1.o")]:
+        lora = adapter(*names)
+        assert not engine_api.defer_scaling(manager, lora, layers)
+        assert all(w.scaling == 2.0 and not hasattr(w.lora_b, "_lora_sync_scale")
+                   for w in lora.loras.values())
+    lora = adapter("l0.q", "l0.v", "l0.down")
+    assert engine_api.defer_scaling(manager, lora, layers)
+    assert all(w.scaling == 1 and w.lora_b._lora_sync_scale == 2.0 for w in lora.loras.values())

@@ -5,7 +5,7 @@ Worker side: the LoRA manager, LoRAModel construction and the in-memory adapter 
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
@@ -91,6 +91,21 @@ TOUCHED = (
     "vllm.lora.lora_weights:LoRALayerWeights.lora_b",
     "vllm.lora.lora_weights:LoRALayerWeights.scaling",
     "vllm.lora.lora_weights:LoRALayerWeights.optimize()",
+    # Worker: activation (the slot writer)
+    "vllm.lora.model_manager:LoRAModelManager.modules",
+    "vllm.lora.model_manager:LoRAModelManager.packed_modules",
+    "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.set_lora(index, lora_a, lora_b)",
+    "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.lora_a_stacked",
+    "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.lora_b_stacked",
+    "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.n_slices",
+    "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.tp_size",
+    "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.device",
+    "vllm.lora.layers:ColumnParallelLinearWithLoRA",
+    "vllm.lora.layers:RowParallelLinearWithLoRA",
+    "vllm.lora.layers:ReplicatedLinearWithLoRA",
+    "vllm.lora.layers:QKVParallelLinearWithLoRA",
+    "vllm.lora.layers:MergedColumnParallelLinearWithLoRA",
+    "vllm.lora.layers:MergedQKVParallelLinearWithLoRA",
 )
 
 
@@ -296,6 +311,88 @@ def fold_scaling(lora, take_buffer=None) -> list:
             offset += out.numel()
         taken.append(flat)
     return taken
+
+
+def plain_slot_layers() -> tuple:
+    """Layers whose set_lora, at tensor-parallel size 1, only zeroes the adapter's slot and
+    copies each slice's lora_A and lora_B into its top-left corner (no slicing, no reshaping).
+    vLLM writes that slot twice (zeros, then the copy), after a pass that scales lora_B in
+    place; for our adapters the slot writer writes each byte once, lora_B scaled on the way."""
+    from vllm.lora.layers import (ColumnParallelLinearWithLoRA,
+                                  MergedColumnParallelLinearWithLoRA,
+                                  MergedQKVParallelLinearWithLoRA, QKVParallelLinearWithLoRA,
+                                  ReplicatedLinearWithLoRA, RowParallelLinearWithLoRA)
+    return (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA, ReplicatedLinearWithLoRA,
+            QKVParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA,
+            MergedQKVParallelLinearWithLoRA)
+
+
+# Set on each lora_B tensor of an adapter lora-sync built (defer_scaling): its scaling, still
+# to apply. It marks our adapters for the slot writer; vLLM's own keep its set_lora.
+_SCALE_ATTR = "_lora_sync_scale"
+
+
+def install_slot_writer(manager) -> frozenset:
+    """Gives each plain LoRA layer on the CPU the one-pass slot write for our adapters
+    (a GPU would need the copy and the scaling as two device steps: untested, so not
+    there); returns the names of the layers that have it."""
+    plain = plain_slot_layers()
+    layers = {name: m for name, m in manager._adapter_manager.modules.items()
+              if type(m) in plain and m.tp_size == 1 and torch.device(m.device).type == "cpu"}
+    for module in layers.values():
+        if not isinstance(module.__dict__.get("set_lora"), partial):
+            module.set_lora = partial(_write_slot, module, module.set_lora)
+    return frozenset(layers)
+
+
+def defer_scaling(manager, lora, slot_layers: frozenset) -> bool:
+    """Marks an adapter for the slot writer, when each of its weights lands in a layer of
+    `slot_layers` (vLLM packs q/k/v and gate/up into one layer): each lora_B keeps its
+    values and carries its scaling to the slot, and vLLM's optimize() finds scaling 1, so it
+    never writes the tensors (they may view a read-only mapping). False, with nothing
+    changed, when a weight lands elsewhere."""
+    packed_into = {sub: name for name, subs in manager._adapter_manager.packed_modules.items()
+                   for sub in subs}
+    if not all(packed_into.get(name, name) in slot_layers for name in lora.loras):
+        return False
+    for w in lora.loras.values():
+        if w.lora_b is not None and isinstance(w.scaling, (int, float)):
+            setattr(w.lora_b, _SCALE_ATTR, float(w.scaling))
+            w.scaling = 1
+    return True
+
+
+def _write_slot(layer, vllm_set_lora, index: int, lora_a, lora_b) -> None:
+    """vLLM's set_lora for a plain layer (slot zeroed, then each slice's A and B copied into
+    its corner), for an adapter marked by defer_scaling: each byte written once, B scaled on
+    the way. Any other adapter, or a packed group vLLM must first expand, goes to vLLM's."""
+    a_list = lora_a if isinstance(lora_a, list) else [lora_a]
+    b_list = lora_b if isinstance(lora_b, list) else [lora_b]
+    scales = [getattr(b, _SCALE_ATTR, None) for b in b_list if b is not None]
+    if not scales or None in scales:
+        return vllm_set_lora(index, lora_a, lora_b)
+    if len(b_list) != layer.n_slices:
+        scaled = [None if b is None else b * getattr(b, _SCALE_ATTR) for b in b_list]
+        return vllm_set_lora(index, lora_a, scaled if isinstance(lora_b, list) else scaled[0])
+    for i, (a, b) in enumerate(zip(a_list, b_list)):
+        _write_corner(layer.lora_a_stacked[i][index, 0], a, 1.0)
+        _write_corner(layer.lora_b_stacked[i][index, 0], b,
+                      1.0 if b is None else getattr(b, _SCALE_ATTR))
+
+
+def _write_corner(slot: torch.Tensor, src, scale: float) -> None:
+    """slot := src * scale in its top-left corner, zeros elsewhere."""
+    if src is None:
+        slot.zero_()
+        return
+    rows, cols = src.shape
+    corner = slot[:rows, :cols]
+    if scale == 1:
+        corner.copy_(src)
+    else:
+        torch.mul(src, scale, out=corner)  # the product vLLM's optimize() makes
+    slot[rows:].zero_()
+    slot[:rows, cols:].zero_()
 
 
 def install_memory_loader(manager, lookup) -> None:

@@ -46,6 +46,10 @@ class WorkerEngine(ABC):
         """Hands the adapter to the engine, for engines that register inside the worker,
         under `lora_id`: the registration's identity (EngineBridge.identity)."""
 
+    def facts(self) -> dict:
+        """Which of its own paths this engine's worker takes (shown in `info`)."""
+        return {}
+
     @abstractmethod
     def unload(self, adapter_id: int) -> None:
         """Drops the engine's own copy (its LoRA cache entry)."""
@@ -76,7 +80,8 @@ class LoRASyncWorker:
     def info(self) -> dict:
         rank, world = self.engine.rank()
         return {"rank": rank, "world_size": world, "cached_ids": sorted(self.engine.cached_ids()),
-                "held_ids": sorted(self.state.adapters), "groups": self.state.group_names()}
+                "held_ids": sorted(self.state.adapters), "groups": self.state.group_names(),
+                "engine": self.engine.facts()}
 
     def intake(self, request: dict, notice_paths: list | None = None) -> dict:
         """Takes an adapter in through its transport's worker side, checks and builds it.

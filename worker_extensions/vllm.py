@@ -11,8 +11,8 @@ from .receiver import StoredAdapter
 
 
 class VLLMWorkerEngine(WorkerEngine):
-    # build folds the scaling into lora_B itself (out of place when read-only), so vLLM's
-    # own optimize() never writes; every other step of vLLM only reads the tensors.
+    # build leaves lora_B's scaling to our slot writer, or folds it itself (out of place when
+    # read-only), so vLLM's own optimize() never writes; its other steps only read the tensors.
     maps_read_only = True
 
     def __init__(self, vllm_worker):
@@ -22,23 +22,33 @@ class VLLMWorkerEngine(WorkerEngine):
         # vLLM (re)loads an adapter through its loader: ours answers from memory.
         self.built: dict[int, object] = {}
         engine_api.install_memory_loader(self.manager, self.built.get)
+        # Activation writes our adapters' slots in one pass, lora_B scaled on the way.
+        self.slot_layers = engine_api.install_slot_writer(self.manager)
+        self.slot_written: set[int] = set()  # adapters whose scaling the slot writer applies
 
     def rank(self):
         return engine_api.worker_rank(self.worker, self.data_parallel_size)
 
     def build(self, adapter_id: int, stored: StoredAdapter, take_buffer):
         # The built LoRAModel is what vLLM gets on every (re)load: merging it again after an
-        # LRU eviction is a no-op (already packed and scaled), so no copy is kept or rebuilt.
+        # LRU eviction is a no-op (already packed, scaling 1), so no copy is kept or rebuilt.
         model = engine_api.build_lora_model(self.manager, adapter_id, stored.tensors,
                                             stored.config)
-        stored.buffers += engine_api.fold_scaling(
-            model, take_buffer if stored.read_only else None)
+        if engine_api.defer_scaling(self.manager, model, self.slot_layers):
+            self.slot_written.add(adapter_id)
+        else:
+            stored.buffers += engine_api.fold_scaling(
+                model, take_buffer if stored.read_only else None)
         self.built[adapter_id] = model
         return model
+
+    def facts(self) -> dict:
+        return {"slot_layers": len(self.slot_layers), "slot_written": sorted(self.slot_written)}
 
     def unload(self, adapter_id: int) -> None:
         engine_api.remove_worker_adapter(self.manager, adapter_id)
         self.built.pop(adapter_id, None)
+        self.slot_written.discard(adapter_id)
 
     def cached_ids(self):
         return list(self.manager.list_adapters())
