@@ -387,15 +387,16 @@ def _write_corner(slot: torch.Tensor, src, scale: float) -> None:
         slot.zero_()
         return
     rows, cols = src.shape
-    corner = slot if (rows, cols) == slot.shape else slot[:rows, :cols]
+    narrower = cols < slot.shape[1]
+    if narrower:  # a rank below the slot's: one zeroing sweep beats a short tail per row
+        slot.zero_()
+    corner = slot[:rows, :cols] if narrower or rows < slot.shape[0] else slot
     if scale == 1:
         corner.copy_(src)
     else:
         torch.mul(src, scale, out=corner)  # the product vLLM's optimize() makes
-    if rows < slot.shape[0]:
+    if not narrower and rows < slot.shape[0]:
         slot[rows:].zero_()
-    if cols < slot.shape[1]:
-        slot[:rows, cols:].zero_()
 
 
 def install_memory_loader(manager, lookup) -> None:
