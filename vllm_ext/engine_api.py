@@ -368,16 +368,22 @@ def _write_slot(layer, vllm_set_lora, index: int, lora_a, lora_b) -> None:
     the way. Any other adapter, or a packed group vLLM must first expand, goes to vLLM's."""
     a_list = lora_a if isinstance(lora_a, list) else [lora_a]
     b_list = lora_b if isinstance(lora_b, list) else [lora_b]
-    scales = [getattr(b, _SCALE_ATTR, None) for b in b_list if b is not None]
-    if not scales or None in scales:
+    if not is_slot_written(b_list):
         return vllm_set_lora(index, lora_a, lora_b)
+    scales = [1.0 if b is None else getattr(b, _SCALE_ATTR) for b in b_list]
     if len(b_list) != layer.n_slices:
-        scaled = [None if b is None else b * getattr(b, _SCALE_ATTR) for b in b_list]
+        scaled = [None if b is None else b * s for b, s in zip(b_list, scales)]
         return vllm_set_lora(index, lora_a, scaled if isinstance(lora_b, list) else scaled[0])
-    for i, (a, b) in enumerate(zip(a_list, b_list)):
+    for i, (a, b, scale) in enumerate(zip(a_list, b_list, scales)):
         _write_corner(layer.lora_a_stacked[i][index, 0], a, 1.0)
-        _write_corner(layer.lora_b_stacked[i][index, 0], b,
-                      1.0 if b is None else getattr(b, _SCALE_ATTR))
+        _write_corner(layer.lora_b_stacked[i][index, 0], b, scale)
+
+
+def is_slot_written(lora_b: list) -> bool:
+    """Whether these lora_B tensors (one layer's slices, or an adapter's: a packed layer's
+    come as a list) were marked by defer_scaling: every one present carries its scaling."""
+    present = [t for b in lora_b for t in (b if isinstance(b, list) else [b]) if t is not None]
+    return bool(present) and all(hasattr(b, _SCALE_ATTR) for b in present)
 
 
 def _write_corner(slot: torch.Tensor, src, scale: float) -> None:

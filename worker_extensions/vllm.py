@@ -24,7 +24,6 @@ class VLLMWorkerEngine(WorkerEngine):
         engine_api.install_memory_loader(self.manager, self.built.get)
         # Activation writes our adapters' slots in one pass, lora_B scaled on the way.
         self.slot_layers = engine_api.install_slot_writer(self.manager)
-        self.slot_written: set[int] = set()  # adapters whose scaling the slot writer applies
 
     def rank(self):
         return engine_api.worker_rank(self.worker, self.data_parallel_size)
@@ -34,21 +33,21 @@ class VLLMWorkerEngine(WorkerEngine):
         # LRU eviction is a no-op (already packed, scaling 1), so no copy is kept or rebuilt.
         model = engine_api.build_lora_model(self.manager, adapter_id, stored.tensors,
                                             stored.config)
-        if engine_api.defer_scaling(self.manager, model, self.slot_layers):
-            self.slot_written.add(adapter_id)
-        else:
+        if not engine_api.defer_scaling(self.manager, model, self.slot_layers):
             stored.buffers += engine_api.fold_scaling(
                 model, take_buffer if stored.read_only else None)
         self.built[adapter_id] = model
         return model
 
     def facts(self) -> dict:
-        return {"slot_layers": len(self.slot_layers), "slot_written": sorted(self.slot_written)}
+        return {"slot_layers": len(self.slot_layers),
+                "slot_written": sorted(i for i, model in self.built.items()
+                                       if engine_api.is_slot_written(
+                                           [w.lora_b for w in model.loras.values()]))}
 
     def unload(self, adapter_id: int) -> None:
         engine_api.remove_worker_adapter(self.manager, adapter_id)
         self.built.pop(adapter_id, None)
-        self.slot_written.discard(adapter_id)
 
     def cached_ids(self):
         return list(self.manager.list_adapters())
