@@ -1191,6 +1191,7 @@ def test_a_commit_ahead_of_its_copy_serves_only_a_whole_file(fake_client, make_a
     own error, the previous version keeps serving and the next push lands."""
     c = fake_client
     c.push(make_adapter(seed=seed), "ahead", transport="shm")  # readies the next lease
+    ready_ticket(c)  # granted once what that push retired is freed
     before, held = greedy(c, "ahead"), versions_of(c, "ahead")
     new = make_adapter(seed=seed + 1)
     stores, refusals = [0], []
@@ -1317,6 +1318,74 @@ def test_a_push_readies_the_next_lease_and_the_next_push_fills_it(make_fake_serv
         assert status_of_renew(c, second) == 404
     with LoRASyncClient(server.url, api_key=server.api_key) as c:
         assert open_leases(c) == 0  # the closed client cancelled what it held
+
+
+def ahead_grant(client) -> Background:
+    """A lease asked for ahead (as the client readies one), on its own thread."""
+    return Background("POST", route(client, shm.LEASE_ROUTE),
+                      {"nbytes": 4096, "ahead": True, "client": "ahead-test"}, AUTH)
+
+
+def cancel(client, granted) -> None:
+    """Cancels a lease: a Lease, or a Background grant's reply."""
+    if isinstance(granted, Background):
+        granted = shm.Lease.from_json(granted.result["reply"])
+    http.call("POST", route(client, shm.CANCEL_ROUTE), headers=AUTH, json_body=granted.ticket())
+
+
+def test_a_lease_readied_ahead_takes_the_memory_retired_versions_give_back(
+        fake_server, fake_client, make_adapter, monkeypatch):
+    """A lease asked for ahead is granted once the versions being retired are freed (at the
+    next pause in serving, not sooner); a push's own lease frees them first; the wait is
+    bounded in time and in how many wait at once."""
+    free_timing(monkeypatch, quiet_s=60.0, max_s=120.0)
+    c = fake_client
+    v1_id = retire_first(c, make_adapter, "recycle", seed=880)
+    waiting = ahead_grant(c)
+    time.sleep(0.3)
+    assert not waiting.result and v1_id not in fake_server.bridge.freed
+    cancel(c, lease(c, 4096))  # a push's own lease: v1 is freed first
+    assert v1_id in fake_server.bridge.freed
+    assert waiting.join(10)["status"] == 200
+    cancel(c, waiting)
+    monkeypatch.setattr(service_module, "FREES_WAIT_S", 0.5)
+    monkeypatch.setattr(service_module, "FREES_WAITERS", 1)
+    v2_id = retire_first(c, make_adapter, "recycle-b", seed=890)
+    first = ahead_grant(c)
+    wait_until(lambda: fake_server.service._waiting_for_frees == 1, what="one waiting")
+    second = ahead_grant(c)
+    assert second.join(10)["status"] == 200 and not first.result  # granted at once
+    assert first.join(10)["status"] == 200  # at the time bound
+    assert v2_id not in fake_server.bridge.freed
+    for done in (first, second):
+        cancel(c, done)
+    for bad in ("yes", 1, [True]):
+        status, reply, _ = http.request("POST", route(c, shm.LEASE_ROUTE), headers=AUTH,
+                                        json_body={"nbytes": 4096, "ahead": bad})
+        assert (status, error_of(reply)[1]) == (400, "bad_request"), reply
+
+
+def test_a_push_before_its_ready_lease_is_granted_leases_the_usual_way(
+        make_fake_server, make_adapter, monkeypatch):
+    """The lease readied after a push that retired a version waits for that version to be
+    freed; the next push does not wait for it: it leases the usual way (freeing the
+    retired version at once), and the late grant is cancelled, leaving no lease behind."""
+    free_timing(monkeypatch, quiet_s=60.0, max_s=120.0)
+    monkeypatch.setattr(service_module, "FREES_WAIT_S", 3.0)  # within the client's timeout
+    server = make_fake_server()
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        c.push(make_adapter(seed=900), "early", transport="shm")
+        [v1_id] = adapter_ids(c, "early")
+        for i in range(KEEP):  # the last push retires v1: the next lease waits for it
+            c.push(make_adapter(seed=901 + i), "early", transport="shm")
+        wait_until(lambda: server.service._waiting_for_frees == 1, what="the lease waits")
+        [res] = c.push(make_adapter(seed=950), "early", transport="shm")
+        assert "copy" not in res.reply["timings_ms"]  # not into a ready lease
+        assert v1_id in server.bridge.freed
+        assert greedy(c, "early") == served_text(make_adapter(seed=950))
+        assert c.ready_leases.count() == open_leases(c) <= 1  # the late one was cancelled
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        assert open_leases(c) == 0
 
 
 def test_what_an_shm_push_keeps_for_a_resync_is_the_sealed_lease(make_fake_server,

@@ -30,6 +30,11 @@ DRAIN_POLL_S = 0.05
 # retired, at the latest FREE_DEFER_MAX_S after, and before the next push in any case.
 FREE_QUIET_S = 0.2
 FREE_DEFER_MAX_S = 1.0
+# `retired_freed` without hastening (a lease readied ahead) waits at most this long for
+# the frees (deferred by FREE_DEFER_MAX_S at most, then the engine's own time), and at most
+# this many requests wait at once.
+FREES_WAIT_S = 3.0
+FREES_WAITERS = 8
 # Retired names remembered so a request on one gets `version_retired`, never another model.
 RETIRED_NAMES_KEPT = 4096
 
@@ -164,12 +169,14 @@ class AdapterService:
         # Per transport, what it may use: its own state between requests (shm: the open
         # leases; broadcast: the groups) and what the service lends it.
         self.contexts = {name: ServerContext(self.settings, t.new_state(self.settings),
-                                             self.staging, self.workers, self._receive_body)
+                                             self.staging, self.workers, self._receive_body,
+                                             self.retired_freed)
                          for name, t in TRANSPORTS.items()}
         self._draining: dict[str, asyncio.Task] = {}  # served name -> waits, then frees
         self._evicting: set[asyncio.Task] = set()  # engine adapters unloaded by name
         self._freeing: set[asyncio.Task] = set()      # engine copies being freed now
         self._deferred: set[asyncio.Event] = set()    # frees waiting for requests to pause
+        self._waiting_for_frees = 0                    # requests in `retired_freed`
         self.retired_names: OrderedDict[str, None] = OrderedDict()  # oldest first, bounded
 
     async def model_spec(self) -> ModelSpec:
@@ -458,6 +465,24 @@ class AdapterService:
         if self._freeing:
             await asyncio.gather(*list(self._freeing), return_exceptions=True)
         return (time.perf_counter() - t0) * 1e3
+
+    async def retired_freed(self, hasten: bool) -> None:
+        """Returns once the versions being retired have given their memory back, so that
+        memory the caller allocates next reuses their pages. `hasten`: they go now
+        (`settle`, as at a push); else when they would, at the next pause in serving.
+        Bounded: FREES_WAIT_S, and beyond FREES_WAITERS waiting requests the others go on
+        at once."""
+        if hasten:
+            await self.settle()
+            return
+        going = {*self._draining.values(), *self._freeing}
+        if not going or self._waiting_for_frees >= FREES_WAITERS:
+            return
+        self._waiting_for_frees += 1
+        try:
+            await asyncio.wait(going, timeout=FREES_WAIT_S)
+        finally:
+            self._waiting_for_frees -= 1
 
     async def _free_engine_copies(self, adapter_ids: list[int]) -> bool:
         try:

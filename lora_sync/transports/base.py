@@ -143,6 +143,8 @@ class ServerContext:
     staging: Any                  # staging.StagingArea: where bodies land
     workers: Any                  # server.service.Workers: ops on every worker
     receive_body: Callable        # async (RawBody) -> staging.StagedBody, budget shared
+    retired_freed: Callable       # async (hasten: bool) -> None: retired versions' memory
+                                  # given back (hasten: now, as a push does), time-bounded
 
 
 @dataclass

@@ -10,6 +10,12 @@ unmaps (the copy runs while the server waits for its seal). The server's rules a
 any lease: sealed at commit, at most half the table per client, counted against staging
 memory while it waits, gone at its time unless renewed.
 
+The lease is asked for as `ahead`: the server grants it once the versions the push retired
+have given their memory back (at the next pause in serving), so its pages are recycled ones
+and readying them does not run beside the first requests on the version just pushed. A push
+that comes before that grant does not wait for it: it leases the usual way (which frees the
+retired versions at once) and the late grant is cancelled.
+
 One ready lease per server: a push of another name or size finds none (the one it finds is
 cancelled), and readies its own."""
 from __future__ import annotations
@@ -40,6 +46,19 @@ START_DELAY_S = 0.02
 
 
 @dataclass
+class _Slot:
+    """A lease being readied (`future`: its ReadyLease, or None)."""
+    future: Future | None = None
+    granted: bool = False    # the server granted it: it is being mapped, soon ready
+    abandoned: bool = False  # nobody waits for it: cancelled once granted
+
+    def abandon_if_ungranted(self) -> bool:
+        """Under the owner's lock: True (and abandoned) while the server has not granted it."""
+        self.abandoned = not self.granted and not self.future.done()
+        return self.abandoned
+
+
+@dataclass
 class ReadyLease:
     server: Server
     name: str
@@ -62,7 +81,7 @@ class ReadyLeases:
     def __init__(self, headers: dict, client_id: str, timeout: float = CALL_TIMEOUT_S):
         self.headers, self.client_id = headers, client_id
         self.timeout = min(timeout, CALL_TIMEOUT_S)
-        self._slots: dict[str, Future] = {}   # server url -> Future[ReadyLease | None]
+        self._slots: dict[str, _Slot] = {}    # server url -> the lease being readied
         self._wanted: dict[str, tuple] = {}   # server url -> (server, name, nbytes, pin)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-sync-ready-lease")
@@ -73,13 +92,16 @@ class ReadyLeases:
         self._closed = False
 
     def take(self, server: Server, name: str, nbytes: int) -> ReadyLease | None:
-        """The lease readied for this push (waiting for one still being readied), or None;
-        a lease readied for another name or size is cancelled."""
+        """The lease readied for this push (waiting for one being mapped), or None: none,
+        one the server has not granted yet (abandoned: the push leases the usual way), or
+        one readied for another name or size (cancelled)."""
         with self._lock:
             slot = self._slots.pop(server.url, None)
-        if slot is not None and not slot.done():
+            if slot is not None and slot.abandon_if_ungranted():
+                return None
+        if slot is not None and not slot.future.done():
             self._priority.lift()  # this push waits for it now
-        ready = slot.result() if slot is not None else None  # its calls are time-bounded
+        ready = slot.future.result() if slot is not None else None  # time-bounded calls
         if ready is None:
             return None
         self._stop_renewing(ready)
@@ -102,27 +124,29 @@ class ReadyLeases:
             wanted, self._wanted = self._wanted, {}
             for url, want in wanted.items():
                 if not self._closed and url not in self._slots:  # one per server
-                    self._slots[url] = self._pool.submit(self._ready, *want)
+                    slot = self._slots[url] = _Slot()
+                    slot.future = self._pool.submit(self._ready, slot, *want)
 
     def ready_for(self, server_url: str) -> ReadyLease | None:
         """The lease ready on that server now (None: none, or still being readied)."""
         with self._lock:
             slot = self._slots.get(server_url)
-        return slot.result() if slot is not None and slot.done() else None
+        return slot.future.result() if slot is not None and slot.future.done() else None
 
     def count(self) -> int:
         """How many leases are ready (once those being readied are)."""
         with self._lock:
             slots = list(self._slots.values())
-        return sum(slot.result() is not None for slot in slots)
+        return sum(slot.future.result() is not None for slot in slots)
 
     def release(self) -> None:
-        """Unmaps and cancels every ready lease (each cancel bounded by the call timeout);
-        later pushes ready new ones."""
+        """Unmaps and cancels every ready lease (each cancel bounded by the call timeout),
+        and those not granted yet once they are; later pushes ready new ones."""
         with self._lock:
             slots, self._slots = list(self._slots.values()), {}
+            slots = [slot for slot in slots if not slot.abandon_if_ungranted()]
         for slot in slots:
-            ready = None if slot.cancelled() else slot.result()
+            ready = None if slot.future.cancelled() else slot.future.result()
             if ready is not None:
                 self._stop_renewing(ready)
                 self._discard(ready)
@@ -134,16 +158,22 @@ class ReadyLeases:
         self._pool.shutdown(wait=True)
 
     # -- on the pool's thread ------------------------------------------------------------
-    def _ready(self, server: Server, name: str, nbytes: int, pin: bool) -> ReadyLease | None:
+    def _ready(self, slot: _Slot, server: Server, name: str, nbytes: int,
+               pin: bool) -> ReadyLease | None:
         """None where no lease could be readied: the next push takes the usual path."""
         self._priority.lower()
         time.sleep(START_DELAY_S)
         try:
-            granted = self._post(server, LEASE_ROUTE, {"nbytes": nbytes,
+            granted = self._post(server, LEASE_ROUTE, {"nbytes": nbytes, "ahead": True,
                                                        "client": self.client_id})
             lease = Lease.from_json(granted, server.url, nbytes)
         except LoRASyncError as e:  # refused (room, auth) or unreachable
             log.debug("no lease readied on %s: %s", server.url, e)
+            return None
+        with self._lock:
+            slot.granted = not slot.abandoned
+        if not slot.granted:  # a push went on without it
+            self._cancel(server, lease)
             return None
         try:
             mapped = map_lease(lease, huge_pages=True)  # off the push's path
@@ -182,7 +212,7 @@ class ReadyLeases:
     # -- helpers ---------------------------------------------------------------------------
     def _current(self, ready: ReadyLease) -> bool:
         slot = self._slots.get(ready.server.url)
-        return slot is not None and slot.done() and slot.result() is ready
+        return slot is not None and slot.future.done() and slot.future.result() is ready
 
     def _unslot(self, ready: ReadyLease) -> bool:
         with self._lock:
