@@ -426,6 +426,9 @@ def summarize(samples: list[dict]) -> list[dict]:
                                                     if s.get("first_completion_s")])})
     disk_by_round = {(s["engine"], s["rank"], s["rep"]): s["phases"]["total"] for s in samples
                      if s["transport"] == "disk" and not s.get("cold")}
+    disk_first = {(s["engine"], s["rank"], s["rep"]): s["first_completion_s"] for s in samples
+                  if s["transport"] == "disk" and not s.get("cold")
+                  and s.get("first_completion_s")}
     for row in rows:
         rank, engine = row["rank"], row["engine"]
         # Per round: this transport against the disk sync of the same round.
@@ -447,6 +450,18 @@ def summarize(samples: list[dict]) -> list[dict]:
                 row[key] = row["median_s"] / limit
                 if key == "x_limit":
                     row["limit_s"], row["registration_s"] = limit, registration
+        later = [s["first_completion_s"] - disk_first[(engine, rank, s["rep"])]
+                 for s in samples if (s["engine"], s["transport"], s["rank"]) ==
+                 (engine, row["transport"], rank) and not s.get("cold")
+                 and s.get("first_completion_s") and (engine, rank, s.get("rep")) in disk_first]
+        if later and row["transport"] in GOALS:
+            # Paired per round: the first completion on the version this transport synced
+            # minus the one after that round's disk load. "No slower" is met while it is
+            # slower in at most half the rounds (so the paired median is not above zero).
+            slower = sum(d > 0 for d in later)
+            row["first_vs_disk_s"] = {"median": _median(later), "min": min(later),
+                                      "max": max(later), "rounds": len(later),
+                                      "slower": slower, "met": 2 * slower <= len(later)}
         goal = GOALS.get(row["transport"])
         if goal and disk and "speedup_per_round" in row:
             # The floor is the raw transfer plus the engine's own work: a goal whose time
@@ -475,6 +490,13 @@ def goals_report(rows: list[dict]) -> str:
                      f"{g['ratio']:.1f}x disk needs <= {g['budget_s'] * 1e3:.1f} ms; median "
                      f"{r['median_s'] * 1e3:.1f} ms ({r['speedup_per_round']['median']:.2f}x, "
                      f"{'met' if g['met'] else 'missed'}); {floor}")
+        first = r.get("first_vs_disk_s")
+        if first:
+            lines.append(f"goal {r['engine']} {r['transport']} rank {r['rank']}: first "
+                         f"completion no slower than after disk; paired per round "
+                         f"{first['median'] * 1e3:+.1f} ms [{first['min'] * 1e3:+.1f} to "
+                         f"{first['max'] * 1e3:+.1f}], slower in {first['slower']} of "
+                         f"{first['rounds']} ({'met' if first['met'] else 'missed'})")
     text = "\n".join(lines)
     print(text)
     return text

@@ -70,3 +70,6 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
         goal = rows[(engine, "broadcast")]["goal"]
         assert goal["ratio"] == 1.5 and goal["floor_s"] > 0 and goal["budget_s"] > 0
         assert f"goal {engine} broadcast rank 8: 1.5x disk" in report
+        first = rows[(engine, "shm")]["first_vs_disk_s"]
+        assert first["rounds"] == 2 and first["min"] <= first["median"] <= first["max"]
+        assert f"goal {engine} shm rank 8: first completion no slower" in report

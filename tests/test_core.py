@@ -599,16 +599,23 @@ def test_the_benchmark_counts_other_processes_cpu_not_its_own():
 def test_benchmark_ratios_are_taken_per_round_against_that_rounds_disk_sync():
     from benchmarks.sync_bench import summarize
 
-    def sample(transport, rep, total, cold=False):
+    def sample(transport, rep, total, first, cold=False):
         return {"engine": "vllm", "transport": transport, "rank": 8, "bytes": 1000,
-                "rep": rep, "cold": cold, "phases": {"total": total}}
-    samples = [sample("disk", 0, 9.0, cold=True), sample("shm", 0, 1.0, cold=True),
-               sample("disk", 1, 4.0), sample("shm", 1, 2.0),   # round 1: 2x
-               sample("disk", 2, 3.0), sample("shm", 2, 1.0),   # round 2: 3x
-               sample("disk", 3, 1.0), sample("shm", 3, 2.0)]   # round 3: 0.5x
+                "rep": rep, "cold": cold, "phases": {"total": total},
+                "first_completion_s": first}
+    samples = [sample("disk", 0, 9.0, 0.5, cold=True), sample("shm", 0, 1.0, 9.0, cold=True),
+               sample("disk", 1, 4.0, 0.25), sample("shm", 1, 2.0, 0.5),  # 2x, first +0.25
+               sample("disk", 2, 3.0, 0.5), sample("shm", 2, 1.0, 0.25),  # 3x, first -0.25
+               sample("disk", 3, 1.0, 1.0), sample("shm", 3, 2.0, 0.5)]   # 0.5x, -0.5
     [shm] = [r for r in summarize(samples) if r["transport"] == "shm"]
     assert shm["speedup_per_round"] == {"median": 2.0, "min": 0.5, "max": 3.0, "rounds": 3}
     assert shm["speedup_over_disk"] == 3.0 / 2.0  # median disk over median shm
+    # First completions, paired the same way (the cold round is left out).
+    assert shm["first_vs_disk_s"] == {"median": -0.25, "min": -0.5, "max": 0.25, "rounds": 3,
+                                      "slower": 1, "met": True}
+    samples[3]["first_completion_s"] = samples[5]["first_completion_s"] = 2.0
+    [shm] = [r for r in summarize(samples) if r["transport"] == "shm"]
+    assert shm["first_vs_disk_s"]["slower"] == 2 and not shm["first_vs_disk_s"]["met"]
 
 
 @pytest.mark.parametrize("stall", ["pause", "too_slow"])
