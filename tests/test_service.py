@@ -1388,6 +1388,21 @@ def test_a_push_before_its_ready_lease_is_granted_leases_the_usual_way(
         assert open_leases(c) == 0
 
 
+def test_a_ready_lease_held_for_the_frees_outlasts_a_short_client_timeout(
+        make_fake_server, make_adapter, monkeypatch):
+    """The server may hold a lease asked for ahead until the retired versions go: a client
+    whose own calls time out sooner still waits for it (else the server would grant it to
+    nobody, holding it until its time)."""
+    free_timing(monkeypatch, quiet_s=1.0, max_s=5.0)
+    server = make_fake_server()
+    with LoRASyncClient(server.url, api_key=server.api_key, timeout=2.0) as c:
+        assert c.ready_leases.timeout < 1.0
+        for i in range(KEEP):
+            c.push(make_adapter(seed=960 + i), "patient", transport="tensors")
+        c.push(make_adapter(seed=970), "patient", transport="shm")  # retires v1: 1 s to go
+        assert c.ready_leases.count() == open_leases(c) == 1
+
+
 def test_what_an_shm_push_keeps_for_a_resync_is_the_sealed_lease(make_fake_server,
                                                                  make_adapter):
     """After an shm push the client's resync copy views the sealed lease (no copy of its

@@ -164,8 +164,11 @@ class ReadyLeases:
         self._priority.lower()
         time.sleep(START_DELAY_S)
         try:
+            # the server may hold it until the retired versions are freed (3 s at most):
+            # given up sooner, it would be granted to nobody and held until its time
             granted = self._post(server, LEASE_ROUTE, {"nbytes": nbytes, "ahead": True,
-                                                       "client": self.client_id})
+                                                       "client": self.client_id},
+                                 timeout=CALL_TIMEOUT_S)
             lease = Lease.from_json(granted, server.url, nbytes)
         except LoRASyncError as e:  # refused (room, auth) or unreachable
             log.debug("no lease readied on %s: %s", server.url, e)
@@ -236,6 +239,7 @@ class ReadyLeases:
         except LoRASyncError:
             pass  # it goes at its time on the server anyway
 
-    def _post(self, server: Server, route: str, body: dict) -> dict:
+    def _post(self, server: Server, route: str, body: dict,
+              timeout: float | None = None) -> dict:
         return http.call("POST", server.route(route), headers=self.headers,
-                         timeout=self.timeout, json_body=body)[0]
+                         timeout=timeout or self.timeout, json_body=body)[0]
