@@ -431,11 +431,11 @@ def summarize(samples: list[dict]) -> list[dict]:
                   and s.get("first_completion_s")}
     for row in rows:
         rank, engine = row["rank"], row["engine"]
+        warm = [s for s in samples if (s["engine"], s["transport"], s["rank"]) ==
+                (engine, row["transport"], rank) and not s.get("cold")]
         # Per round: this transport against the disk sync of the same round.
         ratios = [disk_by_round[(engine, rank, s["rep"])] / s["phases"]["total"]
-                  for s in samples if (s["engine"], s["transport"], s["rank"]) ==
-                  (engine, row["transport"], rank) and not s.get("cold")
-                  and (engine, rank, s.get("rep")) in disk_by_round]
+                  for s in warm if (engine, rank, s.get("rep")) in disk_by_round]
         if ratios:
             row["speedup_per_round"] = {"median": _median(ratios), "min": min(ratios),
                                         "max": max(ratios), "rounds": len(ratios)}
@@ -451,9 +451,8 @@ def summarize(samples: list[dict]) -> list[dict]:
                 if key == "x_limit":
                     row["limit_s"], row["registration_s"] = limit, registration
         later = [s["first_completion_s"] - disk_first[(engine, rank, s["rep"])]
-                 for s in samples if (s["engine"], s["transport"], s["rank"]) ==
-                 (engine, row["transport"], rank) and not s.get("cold")
-                 and s.get("first_completion_s") and (engine, rank, s.get("rep")) in disk_first]
+                 for s in warm if s.get("first_completion_s")
+                 and (engine, rank, s.get("rep")) in disk_first]
         if later and row["transport"] in GOALS:
             # Paired per round: the first completion on the version this transport synced
             # minus the one after that round's disk load. "No slower" is met while it is

@@ -1479,8 +1479,7 @@ def test_leases_are_bounded_per_client(fake_client):
         held.append(other)
     finally:
         for granted in held:
-            http.call("POST", route(c, shm.CANCEL_ROUTE), headers=AUTH,
-                      json_body={"lease_id": granted.lease_id, "token": granted.token})
+            cancel(c, granted)
     assert c.ready_leases.count() == open_leases(c)
 
 
@@ -1501,8 +1500,7 @@ def test_open_leases_and_uploads_share_one_staging_budget(fake_client, make_adap
             c.push(make_adapter(seed=841), "budget")
     finally:
         for granted in leases:
-            http.call("POST", route(c, shm.CANCEL_ROUTE), headers=AUTH,
-                      json_body={"lease_id": granted.lease_id, "token": granted.token})
+            cancel(c, granted)
     assert open_leases(c) == 0
     assert c.push(make_adapter(seed=841), "budget", transport="tensors")[0].version == 1
 
