@@ -18,6 +18,7 @@ import uuid
 
 from .errors import TransferFailed
 from .messages import WorkerReply
+from .private_dir import NOFOLLOW, subdir
 from .staging import staging_dir, discard
 
 NOTICE_MAX_AGE_S = 600.0
@@ -26,8 +27,7 @@ WOKEN_POLL_S = 0.05   # with one: a safety net only
 
 
 def notice_paths(workers: int) -> list[str]:
-    directory = os.path.join(staging_dir(), "notices")
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    directory = subdir(staging_dir(), "notices")
     old = time.time() - NOTICE_MAX_AGE_S
     for entry in os.scandir(directory):
         if entry.stat().st_mtime < old:
@@ -44,7 +44,8 @@ def wake_path(notice_path: str) -> str:
 def write_notice(path: str, reply: WorkerReply) -> None:
     tmp = path + ".tmp"
     try:
-        with open(tmp, "w") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW, 0o600),
+                  "w") as f:
             json.dump(reply.to_json(), f)
         os.replace(tmp, path)  # atomic: readers never see half a notice
     except FileNotFoundError:

@@ -11,7 +11,6 @@ import asyncio
 import atexit
 import mmap
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -19,12 +18,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 
-from . import pages, wire
+from . import pages, private_dir, wire
 from .background import Yielding
 from .errors import BadAdapter, PayloadTooLarge, TimedOut, TooBusy
 
 SHM_DIR = os.environ.get("LORA_SYNC_SHM_DIR", "/dev/shm")
-AREA_PREFIX = "lora-sync-staging-"
 
 
 @dataclass(frozen=True)
@@ -59,8 +57,9 @@ class StagedFile:
 
 
 def staging_dir(root: str = SHM_DIR) -> str:
-    """This API process's own directory for staged bodies and notices."""
-    return os.path.join(root, f"{AREA_PREFIX}{os.getpid()}")
+    """This API process's own private directory for staged bodies and notices
+    (lora_sync/private_dir.py: unguessable, 0700, checked)."""
+    return private_dir.private_dir(root)
 
 
 def _too_large(n: int, limit: int) -> PayloadTooLarge:
@@ -79,9 +78,8 @@ class StagingArea:
     def __init__(self, spare: int = 2, root: str = SHM_DIR, map_kept: bool = True):
         """`map_kept`: keep a writable mapping of each kept file for bodies read straight
         into it (only bodies read from the socket are: False when none is)."""
-        _remove_orphans(root)
-        self.dir = staging_dir(root)
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        private_dir.remove_orphans(root)
+        self.root, self.dir = root, staging_dir(root)
         self.spare, self.free, self.map_kept = spare, [], map_kept
         # Each kept file's size when it was last given huge pages (or sent on its way to
         # them), lowered when a body shrinks it: bytes past it are in small pages.
@@ -111,7 +109,7 @@ class StagingArea:
         self.inflight += claimed
         path = self.free.pop() if self.free else os.path.join(self.dir, uuid.uuid4().hex)
         mapped = self._mapping_of(path, content_length)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        fd = _open_own(path, os.O_WRONLY)
         n, head, dest = 0, bytearray(), None
         try:
             if mapped is not None and hasattr(chunks, "read_into"):
@@ -196,7 +194,7 @@ class StagingArea:
 
     def close(self) -> None:
         self.mapped.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        private_dir.forget(self.root)
 
 
 async def _paced(chunks, limits: BodyLimits, nbytes: int):
@@ -228,7 +226,7 @@ def _ready_kept(path: str, huge: bool, mapped: bool, ready: Future) -> None:
     Yielding().lower()
     mapping = None
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | private_dir.NOFOLLOW)
     except FileNotFoundError:  # the server stopped meanwhile
         ready.set_result(None)
         return
@@ -253,21 +251,12 @@ def discard(path: str) -> None:
         pass
 
 
-def _remove_orphans(root: str) -> None:
-    """Staging directories of HTTP processes that died without cleaning up (kill -9)."""
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        pid = name[len(AREA_PREFIX):]
-        if name.startswith(AREA_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def pid_alive(pid: int) -> bool:
+def _open_own(path: str, flags: int) -> int:
+    """A staging file of ours: created here (mode 0600) or reused, never through a link."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL | private_dir.NOFOLLOW, 0o600)
+    except FileExistsError:
+        return os.open(path, flags | private_dir.NOFOLLOW)
     return True
 
 
@@ -279,7 +268,7 @@ def open_staged(path: str, read_only: bool) -> tuple[wire.Header, dict]:
     huge page's boundary, one mapping of the file's pages for every worker, one fault per
     huge page (`pages.map_read_only`). Otherwise private: each page the engine writes (its
     lora_B scaling) faults and is copied, so the file stays as received."""
-    with open(path, "rb") as f:
+    with open(os.open(path, os.O_RDONLY | private_dir.NOFOLLOW), "rb") as f:
         if read_only:
             fd = f.fileno()
             return wire.view_mapped(pages.map_read_only(fd, os.fstat(fd).st_size))

@@ -86,7 +86,7 @@ import subprocess
 import time
 from typing import Sequence
 
-from lora_sync.staging import pid_alive
+from lora_sync.private_dir import pid_alive
 
 SUBNET = "10.213.0.0/24"  # private, unlikely to be used by anything else on a test machine
 IFNAME = "veth0"  # the interface inside every namespace
