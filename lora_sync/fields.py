@@ -2,6 +2,7 @@
 a 400 that names it (never a TypeError deep inside the server, which would be a 500)."""
 from __future__ import annotations
 
+import json
 import math
 
 from .errors import BadAdapter
@@ -40,3 +41,27 @@ def check(value, kind: type, what: str, *, lo=None, hi=None, max_len: int | None
     if max_len is not None and kind in (str, list) and len(value) > max_len:
         raise BadAdapter(f"{what} is longer than {max_len}", code="bad_request")
     return value
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def unique_keys(pairs):
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
+def loads(text, what: str = "request body", code: str = "bad_request"):
+    """JSON as every lora-sync reader takes it: an object that names a key twice is refused
+    (parsers disagree on which one counts, so accepting it would pick one silently). Other
+    parse errors are left to the caller (ValueError, RecursionError)."""
+    try:
+        return json.loads(text, object_pairs_hook=unique_keys)
+    except _DuplicateKey as e:
+        raise BadAdapter(f"{what} names the key {e.key[:200]!r} twice; name each key once",
+                         code=code) from None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import BadAdapter
+from .fields import loads, unique_keys
 
 # safetensors dtype tag <-> torch dtype; LoRA weights are floating point only.
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -145,17 +146,6 @@ def header_length(prefix: bytes | memoryview) -> int:
     return 8 + n
 
 
-def _no_duplicates(pairs):
-    seen = {}
-    for k, v in pairs:
-        if k in seen:
-            raise BadAdapter(f"safetensors header names {k[:200]!r} twice",
-                             code="bad_safetensors")
-        seen[k] = v
-    return seen
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)
 
 
 def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header:
@@ -189,6 +179,7 @@ _KNOWN_ENTRIES: dict[str, tuple] = {}
 _KNOWN_MAX = 4
 _KNOWN_MAX_CHARS = 1 << 20  # ~8000 tensors; a longer header is checked whole every time
 _KNOWN_LOCK = threading.Lock()  # headers are parsed on the event loop's threads
+_DECODER = json.JSONDecoder(object_pairs_hook=unique_keys)
 
 
 def _split_metadata(text: bytes) -> tuple[dict, str] | None:
@@ -218,7 +209,7 @@ def _remember(rest: str, entries: tuple) -> None:
 def _parse_whole(text: bytes) -> tuple[dict, list, list, int]:
     """(metadata, specs, offsets, data bytes) of a header's JSON text, every entry checked."""
     try:
-        raw = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        raw = loads(text.decode("utf-8"), "safetensors header", code="bad_safetensors")
     except BadAdapter:
         raise
     except Exception as e:  # not UTF-8, not JSON, or nested too deeply (RecursionError)

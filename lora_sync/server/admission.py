@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 from ..errors import BadAdapter, LoRASyncError, NotFound, PayloadTooLarge
+from ..fields import loads
 from .socket_body import RAW_RECEIVE
 
 # The request header SageMaker routes read the adapter from (vLLM's /invocations).
@@ -45,8 +46,11 @@ class NativeRoute:
 class AdmissionMiddleware:
     def __init__(self, app, own_paths: frozenset = frozenset(), native_routes=(),
                  also_set: tuple[str, ...] = (), engine_guards=None, model_adapter=None,
-                 strict_models: bool = False, cache_key_fields: dict | None = None):
+                 strict_models: bool = False, cache_key_fields: dict | None = None,
+                 model_names: frozenset = frozenset()):
         self.app = app
+        # model_names: the names in engine_names() that are models, not adapters.
+        self.model_names = model_names
         # model_adapter(model): the adapter name the engine itself reads from `model` (SGLang:
         # "base:adapter"); admission must see what the engine will, no more, no less.
         self.model_adapter = model_adapter or (lambda model: model)
@@ -140,14 +144,13 @@ class AdmissionMiddleware:
                 if any(isinstance(v, str) and marker in v for v in values):
                     raise BadAdapter(f"field {f!r} must not contain {marker!r}: the engine "
                                      "keys lora-sync's adapters by it", code="bad_request")
-        admitted, ok = [], False
+        admitted, ok, model_served = [], False, None
         try:
             header = _header(scope, SAGEMAKER_ADAPTER_HEADER)
             if header is not None:
                 served = _admit_name(service, header, admitted)
                 if served is not None:
                     scope = _with_header(scope, SAGEMAKER_ADAPTER_HEADER, served)
-            model_served = None
             for place in places:
                 for f in NAME_FIELDS:
                     value = place.get(f)
@@ -175,7 +178,7 @@ class AdmissionMiddleware:
             if not ok:
                 for a in admitted:
                     service.finish_request(a.served_name)
-        if admitted and request:
+        if (admitted or model_served) and request:  # rewritten: the engine reads the new one
             body = json.dumps(request).encode()
             scope = _with_header(scope, b"content-length", str(len(body)))
         return admitted, scope, body
@@ -188,6 +191,11 @@ class AdmissionMiddleware:
         if served is None and self.strict_models and not service.serves(name):
             raise NotFound(f"model {name[:140]!r} is not served here (neither a model nor an "
                            "adapter of this server)", code="model_not_found")
+        if served is None and self.also_set and name == model \
+                and name not in self.model_names and service.serves(name):
+            # An engine adapter named bare: SGLang would read it as a model name and serve
+            # the base model. It is named where the engine serves it (`also_set`), as ours.
+            return name
         return served
 
 
@@ -228,7 +236,7 @@ def _parse(body: bytes, scope):
     if not body.strip() or ctype in FORM_TYPES:
         return None
     try:
-        return json.loads(body, object_pairs_hook=_unique_keys)
+        return loads(body)
     except RecursionError:
         raise BadAdapter("request body is nested too deeply", code="bad_request") from None
     except ValueError as e:
@@ -236,13 +244,6 @@ def _parse(body: bytes, scope):
             return None  # not JSON, and not claimed to be: no engine reads a name from it
         raise BadAdapter(f"request body is not valid JSON: {str(e)[:200]}",
                          code="bad_request") from None
-
-
-def _unique_keys(pairs):
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("an object names a key twice")
-    return out
 
 
 def _header(scope, name: bytes) -> str | None:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from ..errors import BadAdapter, LoRASyncError, PayloadTooLarge
+from ..fields import loads
 from ..transports import TRANSPORTS
 from ..transports.base import RawBody, Transport
 from . import metrics
@@ -49,7 +50,7 @@ async def _json(request: Request, limit: int) -> dict:
         if len(raw) > limit:
             raise PayloadTooLarge(f"JSON body above {limit} bytes (LORA_SYNC_MAX_REQUEST_MB)")
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except (ValueError, RecursionError) as e:
         raise BadAdapter(f"body must be JSON ({type(e).__name__})", code="bad_request") from e
     if not isinstance(body, dict):

@@ -39,6 +39,29 @@ FREES_WAITERS = 8
 RETIRED_NAMES_KEPT = 4096
 
 
+class NameLocks:
+    """One lock per adapter name, kept only while a request holds or waits for it: a request
+    on a name, found or not, leaves nothing behind once it ends."""
+
+    def __init__(self):
+        self._held: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str):
+        lock, users = self._held.setdefault(name, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._held[name]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 @dataclass
 class Settings:
     """Operator settings (environment variables, read once at start-up; see README)."""
@@ -162,7 +185,7 @@ class AdapterService:
         self.instance_id = uuid.uuid4().hex
         self.book = naming.VersionBook()
         self.records: dict[str, AdapterRecord] = {}     # served name -> record
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = NameLocks()
         self._spec: ModelSpec | None = None
         self.staging = StagingArea(map_kept=self.settings.socket_body)
         self.workers = Workers(bridge)
@@ -270,7 +293,7 @@ class AdapterService:
     async def _install(self, transport: str, staged: Staged, cfg: dict, t0: float) -> dict:
         name = staged.name
         t_in = time.perf_counter()
-        async with self._locks.setdefault(name, asyncio.Lock()):
+        async with self._locks.hold(name):
             live = self.book.names()  # a retired name stops counting at once, drained or not
             if name not in live and len(live) >= self.settings.max_names:
                 raise TooBusy(f"this server already holds {self.settings.max_names} adapter "
@@ -320,14 +343,15 @@ class AdapterService:
         """Takes every version of a name out of service at once (the name no longer counts
         against LORA_SYNC_MAX_NAMES); running requests finish on their version."""
         name = naming.check_name(body.get("lora_name"))
-        async with self._locks.setdefault(name, asyncio.Lock()):
+        async with self._locks.hold(name):
             versions = self.book.forget(name)
             if not versions:
                 raise NotFound(f"no adapter named {name!r}", code="not_found")
             self._retire(name, versions)
             self.retired_names[name] = None
             while len(self.retired_names) > RETIRED_NAMES_KEPT:
-                self.retired_names.popitem(last=False)
+                # its version floor goes with it: both are bounded by the same count
+                self.book.floors.pop(self.retired_names.popitem(last=False)[0], None)
         draining = sorted(r.version for r in self.records.values() if r.name == name)
         return {"lora_name": name, "retired": versions, "draining": draining}
 
