@@ -56,7 +56,8 @@ def _on_tokenizer_manager(tm) -> None:
         native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES],
         model_adapter=partial(engine_api.model_adapter,
                               served_model_name=tm.served_model_name),
-        strict_models=True, cache_key_fields={"extra_key": engine_api.LORA_ID_PREFIX}))
+        strict_models=True, model_names=frozenset({tm.served_model_name}),
+        cache_key_fields={"extra_key": engine_api.LORA_ID_PREFIX}))
     app.state.lora_sync = service
     # Served by SGLang's /metrics when it runs with --enable-metrics (prometheus_client's
     # multiprocess mode: SGLang set PROMETHEUS_MULTIPROC_DIR before this hook runs).

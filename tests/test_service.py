@@ -1461,22 +1461,24 @@ def test_a_ready_lease_is_renewed_and_one_that_lapsed_is_replaced(make_fake_serv
         assert c.ready_leases is None and open_leases(c) == 1  # only the one granted above
 
 
-def test_leases_are_bounded_per_client(fake_client):
-    """One client may hold half of the open leases; the others stay available."""
+def test_lease_bounds_rest_on_no_client_declared_id(fake_client):
+    """A client id is self-declared, so it bounds nothing: leases asked under ever new ids
+    still stop at the server's total (8), and every id gets the same 429 there."""
     c = fake_client
+    c.ready_leases.release()
     held = []
     try:
-        while True:
+        for i in range(12):
             status, reply, _ = http.request("POST", route(c, shm.LEASE_ROUTE), headers=AUTH,
-                                            json_body={"nbytes": 4096, "client": "greedy"})
+                                            json_body={"nbytes": 4096, "client": f"id-{i}"})
             if status != 200:
                 break
             held.append(shm.Lease.from_json(reply))
-            assert len(held) <= 8, "leases without bound"
+        assert len(held) == 8, f"{len(held)} leases: the total bound is 8, whatever the ids"
         assert (status, error_of(reply)[1]) == (429, "too_many_leases"), reply
-        assert held, "no lease at all"
-        other = lease(c, 4096)  # another client still gets one
-        held.append(other)
+        status, reply, _ = http.request("POST", route(c, shm.LEASE_ROUTE), headers=AUTH,
+                                        json_body={"nbytes": 4096, "client": "id-0"})
+        assert status == 429, "an id that already holds one is refused alike"
     finally:
         for granted in held:
             cancel(c, granted)

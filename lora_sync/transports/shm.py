@@ -59,7 +59,9 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_
 @dataclass(frozen=True)
 class LeaseRequest:
     nbytes: int
-    client: str  # who asks (the client's id): leases are bounded per client too
+    # Who asks, as the client names itself: a label, never a bound (a client could mint
+    # any number of ids); bounds rest on the server's totals (docs/security.md).
+    client: str
     # For a push to come (transports/ready_lease.py), not this one: granted once the
     # versions being retired have given their memory back (`ShmTransport.grant`).
     ahead: bool = False
@@ -156,18 +158,10 @@ class LeaseTable:
         """Staging memory the open leases hold (shared with HTTP uploads' budget)."""
         return sum(p.nbytes for p in self.pending.values())
 
-    @property
-    def max_per_client(self) -> int:
-        """One client may hold half the leases: it cannot take them all from the others."""
-        return max(1, self.max_pending // 2)
-
     def grant(self, nbytes: int, budget: int, client: str = "anonymous") -> Lease:
         if len(self.pending) >= self.max_pending:
             raise TooBusy(f"{self.max_pending} leases are already open; commit or cancel "
                           "one first", code="too_many_leases")
-        if sum(p.client == client for p in self.pending.values()) >= self.max_per_client:
-            raise TooBusy(f"client {client[:64]!r} already holds {self.max_per_client} open "
-                          "leases; commit or cancel one first", code="too_many_leases")
         if self.held_bytes + nbytes > budget:
             raise TooBusy(f"open leases hold {self.held_bytes} bytes; {nbytes} more would "
                           f"pass LORA_SYNC_MAX_STAGING_MB ({budget} bytes)", code="staging_full")
@@ -201,7 +195,7 @@ class LeaseTable:
 
     def renew(self, req: CommitRequest) -> float:
         """Restarts an open lease's time (a trainer keeping one ready for its next push);
-        returns its seconds. It still counts against the client's leases and the budget."""
+        returns its seconds. It still counts against the open leases and the budget."""
         self._redeemable(req)
         self._arm(req.lease_id)
         return self.ttl_s
@@ -241,7 +235,7 @@ class LeaseTable:
 # first and copies meanwhile (`write_then_unmap`), so the wait grows with the lease (70 MB
 # copy in 5-6 ms here, 18 ms device to host; the allowance is 1 s per 256 MiB more). A waiting
 # commit holds one thread of the event loop's default pool; leases (so commits) are bounded
-# per client.
+# in number (`LeaseTable.max_pending`).
 SEAL_WAIT_S = 1.0
 SEAL_WAIT_BYTES_PER_S = 256 << 20  # each 256 MiB of lease: one second more
 
