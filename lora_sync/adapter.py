@@ -14,6 +14,7 @@ import torch
 
 from . import wire
 from .errors import BadAdapter
+from .fields import loads
 
 # Header metadata keys of the wire format (docs/protocol.md).
 META_NAME, META_CONFIG, META_VERSION, META_CHECKSUM = (
@@ -146,7 +147,7 @@ def parse_config(raw: str | None) -> dict:
         raise BadAdapter(f"safetensors __metadata__ has no {META_CONFIG!r} (the JSON text of "
                          "PEFT's adapter_config.json)", code="missing_metadata")
     try:
-        cfg = json.loads(raw)
+        cfg = loads(raw, META_CONFIG, code="bad_config")
     except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise BadAdapter(f"{META_CONFIG} is not valid JSON: {str(e)[:200]}",
                          code="bad_config") from e
@@ -194,22 +195,86 @@ def normalize_config(config: dict, tensor_names) -> dict:
 
 
 @dataclass(frozen=True)
+class FusedLayer:
+    """One layer an engine builds from several projections of the same parent module (q/k/v
+    -> qkv_proj), and the projections it needs whenever an adapter adapts any of them."""
+    name: str
+    parts: tuple[str, ...]  # the PEFT projections, in the order the engine stacks them
+    needs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What one engine's LoRA layers can serve beyond the base model's shapes and the max
+    rank: the rows of the coverage matrix (docs/security.md). Each engine's bridge
+    fills it from that engine's code; check_adapter applies it on the server, and the
+    trainer applies the same one (it travels in lora_sync_info) before a broadcast. The
+    default constrains nothing: what an old server's info, or a fake engine, gives."""
+    engine: str = "the engine"
+    fused: tuple[FusedLayer, ...] = ()
+    dtypes: frozenset[str] = frozenset(wire.DTYPES)  # safetensors tags
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "dtypes": sorted(self.dtypes),
+                "fused": [{"name": f.name, "parts": list(f.parts), "needs": sorted(f.needs)}
+                          for f in self.fused]}
+
+    @classmethod
+    def from_json(cls, body: dict) -> "Coverage":
+        """From a server's lora_sync_info: a malformed entry fails loudly (ValueError)."""
+        def names(v, what):
+            if not (isinstance(v, list) and len(v) <= 64
+                    and all(isinstance(n, str) and 0 < len(n) <= 128 for n in v)):
+                raise ValueError(f"lora_sync_info coverage {what} must be a list of names")
+            return v
+        if not isinstance(body, dict) or not isinstance(body.get("fused", []), list):
+            raise ValueError("lora_sync_info coverage must be an object with a 'fused' list")
+        fused = []
+        for f in body.get("fused", [])[:64]:
+            if not isinstance(f, dict):
+                raise ValueError("lora_sync_info coverage fused entries must be objects")
+            parts = tuple(names(f.get("parts"), "parts"))
+            needs = frozenset(names(f.get("needs", []), "needs"))
+            if not needs <= set(parts):
+                raise ValueError("lora_sync_info coverage needs must be among its parts")
+            fused.append(FusedLayer(names([f.get("name")], "name")[0], parts, needs))
+        dtypes = frozenset(names(body.get("dtypes", sorted(wire.DTYPES)), "dtypes"))
+        return cls(str(body.get("engine", cls.engine))[:64], tuple(fused), dtypes)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What a base model can take: (in_features, out_features) of each LoRA-able linear
-    layer, keyed by its Hugging Face module name (the names PEFT keys use)."""
+    layer, keyed by its Hugging Face module name (the names PEFT keys use), the max rank,
+    and what the serving engine covers."""
     linear: dict[str, tuple[int, int]]
     max_rank: int
+    coverage: Coverage = Coverage()
 
     @classmethod
     def from_hf_config(cls, hf_config, max_rank: int,
-                       exclude: tuple[str, ...] = ("lm_head",)) -> "ModelSpec":
+                       exclude: tuple[str, ...] = ("lm_head",),
+                       coverage: Coverage = Coverage()) -> "ModelSpec":
         """Builds the model on the meta device (no memory, no weights) to read its layers."""
         from transformers import AutoModelForCausalLM
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         linear = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
                   if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in exclude}
-        return cls(linear, max_rank)
+        return cls(linear, max_rank, coverage)
+
+    def info(self) -> dict:
+        """The lora_sync_info fields a trainer rebuilds this spec from (`from_info`)."""
+        return {"max_lora_rank": self.max_rank,
+                "linear_modules": {k: list(v) for k, v in self.linear.items()},
+                "coverage": self.coverage.to_json()}
+
+    @classmethod
+    def from_info(cls, info: dict) -> "ModelSpec":
+        coverage = info.get("coverage")
+        return cls({k: tuple(v) for k, v in info["linear_modules"].items()},
+                   int(info["max_lora_rank"]),
+                   Coverage() if coverage is None else Coverage.from_json(coverage))
 
     def has_target(self, target: str) -> bool:
         """PEFT matches a target_modules entry against module-name suffixes."""
@@ -218,6 +283,29 @@ class ModelSpec:
     @property
     def module_bases(self) -> set[str]:
         return {n.rsplit(".", 1)[-1] for n in self.linear}
+
+
+def check_coverage(modules, coverage: Coverage) -> None:
+    """Refuses a fused group (one parent's q/k/v, or gate/up) adapted without the parts the
+    engine needs: the engine would take it and fail at load, or at the first request on it
+    (SGLang: its scheduler dies)."""
+    fused_of = {part: f for f in coverage.fused for part in f.parts}
+    groups: dict[tuple[str, FusedLayer], set[str]] = {}
+    for module in modules:
+        parent, _, leaf = module.rpartition(".")
+        if leaf in fused_of:
+            groups.setdefault((parent, fused_of[leaf]), set()).add(leaf)
+    for (parent, f), have in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1].name)):
+        missing = sorted(f.needs - have)
+        if missing:
+            first = f"{parent}.{min(have)}" if parent else min(have)
+            raise BadAdapter(
+                f"module {first!r}: {coverage.engine} serves "
+                f"{'/'.join(f.parts)} as one layer {f.name} and cannot serve LoRA on "
+                f"{', '.join(sorted(have))} without {', '.join(missing)} (it needs "
+                f"{', '.join(sorted(f.needs))} wherever it adapts any of them); add "
+                f"{', '.join(missing)} with a zero lora_B, which changes nothing",
+                code="unsupported_module")
 
 
 # PEFT features that change what an adapter computes and that lora-sync does not serve: each
@@ -303,6 +391,10 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
         if len(s.shape) != 2:
             raise BadAdapter(f"tensor {s.name!r} must be 2-D, got shape {list(s.shape)}",
                              code="bad_shape")
+        if s.dtype not in model.coverage.dtypes:
+            raise BadAdapter(f"tensor {s.name!r} has dtype {s.dtype}; {model.coverage.engine} "
+                             f"serves LoRA weights in {sorted(model.coverage.dtypes)}",
+                             code="bad_dtype")
         if half in halves.setdefault(module, {}):
             # 'base_model.model.X.lora_A.weight' and 'X.lora_A.weight' are the same weight:
             # an engine would keep one of the two silently.
@@ -324,4 +416,5 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
         if ra != r:
             raise BadAdapter(f"module {module!r} has rank {ra} but adapter_config r is {r}: "
                              "every lora_A/lora_B pair must have rank r", code="bad_shape")
+    check_coverage(halves, model.coverage)
     return cfg

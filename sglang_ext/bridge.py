@@ -11,11 +11,27 @@ from __future__ import annotations
 
 import itertools
 
-from lora_sync.adapter import ModelSpec
+from lora_sync.adapter import Coverage, FusedLayer, ModelSpec
 from lora_sync.messages import check_replies
 from lora_sync.server.bridge import EngineBridge
 
 from . import engine_api
+
+# What SGLang 0.5.23's LoRA memory pool and layers serve (docs/security.md).
+# Fused groups: sglang/srt/lora/lora.py LoRAAdapter.normalize_qkv_proj fuses one layer's
+# q/k/v into qkv_proj only from its q_proj, and reads v_proj unconditionally (a missing k_proj
+# becomes zeros shaped like v_proj): q without v fails the load (KeyError); k or v without q
+# stay unfused, match none of the pool's buffers, and the first request on the adapter kills
+# the scheduler (mem_pool.py load_lora_weight_to_buffer -> utils.get_target_module_name,
+# ValueError). normalize_gate_up_proj likewise fuses from gate_proj (a missing up_proj becomes
+# zeros); an up_proj alone kills the scheduler the same way. SGLang's own disk route goes
+# through the same normalization.
+# Ranks: any r up to --max-lora-rank (LoRAMemoryPool.can_support); an adapter fills the first
+# r rows of its slot. dtypes: any of ours; torch.cat promotes mixed parts and
+# utils.copy_weight_into_buffer casts into the pool's dtype.
+COVERAGE = Coverage("SGLang", (
+    FusedLayer("qkv_proj", ("q_proj", "k_proj", "v_proj"), frozenset({"q_proj", "v_proj"})),
+    FusedLayer("gate_up_proj", ("gate_proj", "up_proj"), frozenset({"gate_proj"}))))
 
 
 class SGLangBridge(EngineBridge):
@@ -37,7 +53,7 @@ class SGLangBridge(EngineBridge):
 
     async def model_spec(self) -> ModelSpec:
         return ModelSpec.from_hf_config(engine_api.hf_config(self.tm),
-                                        engine_api.max_lora_rank(self.tm))
+                                        engine_api.max_lora_rank(self.tm), coverage=COVERAGE)
 
     def lora_id(self, adapter_id: int) -> str:
         """SGLang keys adapters, and its radix cache, by string ids."""

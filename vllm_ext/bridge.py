@@ -1,7 +1,7 @@
 """The shared service's view of a vLLM server (API process)."""
 from __future__ import annotations
 
-from lora_sync.adapter import ModelSpec
+from lora_sync.adapter import Coverage, FusedLayer, ModelSpec
 from lora_sync.messages import check_replies
 from lora_sync.server.bridge import EngineBridge
 
@@ -10,6 +10,14 @@ from . import engine_api
 RPC_TIMEOUT_S = 600.0
 # The one worker-extension method (worker_extensions/vllm.py): every op goes through it.
 WORKER_METHOD = "lora_sync_call"
+# What vLLM 0.32's LoRA layers serve (docs/security.md): every subset of a fused
+# group. vllm/lora/model_manager.py _create_merged_loras_inplace packs a missing part as None
+# and MergedColumnParallelLinearWithLoRA.set_lora (layers/column_parallel_linear.py) zeroes
+# the slot, then skips None slices. Ranks: any r up to --max-lora-rank
+# (PEFTHelper.validate_legal), copied into the slot's first r rows. dtypes: any of ours,
+# cast to the LoRA dtype by LoRAModel.from_lora_tensors.
+COVERAGE = Coverage("vLLM", (FusedLayer("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                             FusedLayer("gate_up_proj", ("gate_proj", "up_proj"))))
 
 
 class VLLMBridge(EngineBridge):
@@ -31,7 +39,7 @@ class VLLMBridge(EngineBridge):
 
     async def model_spec(self) -> ModelSpec:
         return ModelSpec.from_hf_config(engine_api.hf_config(self.engine),
-                                        engine_api.max_lora_rank(self.engine))
+                                        engine_api.max_lora_rank(self.engine), coverage=COVERAGE)
 
     def engine_names(self) -> set[str]:
         return engine_api.engine_names(self.state)
