@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from lora_sync import LoRAAdapter, LoRASyncClient, ModelSpec
+from lora_sync.engines import ENGINES
 from testbed.processes import sglang_server, vllm_server
 from testbed.tiny_model import QWEN_05B_SHAPES, build_tiny_model
 
@@ -122,8 +123,8 @@ def attribute(timings: dict, calls_s: float, total_s: float) -> dict:
 def first_completion_s(client, served: str, transport: str) -> float:
     """The first completion that names the new version (on SGLang a disk-loaded adapter is
     named 'base:<name>' in OpenAI requests)."""
-    if transport.startswith("disk") and client.servers[0].engine == "sglang":
-        served = f"base:{served}"
+    if transport.startswith("disk"):
+        served = ENGINES[client.servers[0].engine].disk_model(served)
     t0 = time.perf_counter()
     client.complete("the quick brown", served, max_tokens=1)
     return time.perf_counter() - t0
@@ -134,10 +135,10 @@ def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str):
         # vLLM's own unload route leaves a disk adapter in the worker's cache (vllm#54839);
         # lora-sync evicts it after the unload (AdapterService.evict_when_idle), off every
         # push's path. The small cache bounds what a run leaves cached all the same: while
-        # disk adapters pile up the disk route runs 2-3x slower (README, Benchmark).
+        # disk adapters pile up the disk route runs 2-3x slower (docs/benchmarks.md).
         return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8).start()
     # SGLang on CPU needs the sgl-kernel stand-in (PyPI ships CUDA kernels only); see
-    # docs/sglang_notes.md. It lives with the tests and is used here for the same reason.
+    # docs/engines.md. It lives with the tests and is used here for the same reason.
     repo = Path(__file__).resolve().parents[1]
     path = f"{repo / 'tests' / 'sgl_kernel_standin'}{os.pathsep}{repo}"
     return sglang_server(model_dir, max_lora_rank=max_rank, extra_args=["--dtype", dtype],

@@ -59,10 +59,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from lora_sync.engines import ENGINES
+
 KINDS = ("trl", "lora-sync")
 ADMIN_KEY = "trl-bench-admin-key"
 LORA_NAME = "trl-policy"  # TRL's adapter name (`_lora_name`), and lora-sync's default for it
-NATIVE_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+NATIVE_ROUTES = (ENGINES["vllm"].native_load, ENGINES["vllm"].native_unload)  # TRL: vLLM
 COMPLETIONS = "/v1/completions"
 _VERSIONED = re.compile(r"(?P<name>.+)-v(?P<version>[0-9]+)")
 

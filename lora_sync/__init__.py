@@ -4,12 +4,12 @@ Imports no inference engine."""
 from .adapter import LoRAAdapter, ModelSpec, check_adapter
 from .trainer.client import LoRASyncClient
 from .transports.base import PushResult, Server
-from .errors import (BadAdapter, LoRASyncError, NotFound, PayloadTooLarge, PushFailed,
+from .errors import (BadAdapter, BadRequest, LoRASyncError, NotFound, PayloadTooLarge, PushFailed,
                      TransferFailed, Unauthorized, VersionConflict)
 from .naming import VersionBook, split_versioned, versioned
 
 __all__ = ["LoRAAdapter", "ModelSpec", "check_adapter", "LoRASyncClient", "PushResult",
-           "Server", "BadAdapter", "LoRASyncError", "NotFound", "PayloadTooLarge", "PushFailed",
+           "Server", "BadAdapter", "BadRequest", "LoRASyncError", "NotFound", "PayloadTooLarge", "PushFailed",
            "TransferFailed", "Unauthorized", "VersionConflict", "VersionBook",
            "split_versioned", "versioned"]
 __version__ = "0.1.0"

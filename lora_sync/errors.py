@@ -35,6 +35,7 @@ class ErrorCode(str, Enum):
     CLIENT_DISCONNECTED = "client_disconnected"
     TRANSFER_MISMATCH = "transfer_mismatch"  # a broadcast that is not what was declared
     LAYOUT_UNKNOWN = "layout_unknown"  # a broadcast naming a layout its group does not hold
+    PROTOCOL_MISMATCH = "protocol_mismatch"  # a request of another protocol version
     # 401 / 403: access
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
@@ -59,6 +60,7 @@ class ErrorCode(str, Enum):
     TOO_MANY_NAMES = "too_many_names"
     TOO_MANY_GROUPS = "too_many_groups"
     TOO_MANY_LEASES = "too_many_leases"
+    CONFLICT = "conflict"  # a 409 without a more precise code (a foreign reply)
     # 5xx: the server or the path to it
     INTERNAL_ERROR = "internal_error"
     WORKER_FAILED = "worker_failed"
@@ -99,6 +101,18 @@ class BadAdapter(LoRASyncError):
     status, code = 400, "bad_adapter"
 
 
+class BadRequest(LoRASyncError):
+    """The request itself is malformed, whatever the adapter: a field's type or range, its
+    JSON, a name or version, a lease or group it names (400)."""
+    status, code = 400, "bad_request"
+
+
+class ClientDisconnected(LoRASyncError):
+    """The client went away before its body was complete (400, for the log: nobody reads
+    the reply)."""
+    status, code = 400, "client_disconnected"
+
+
 class PayloadTooLarge(LoRASyncError):
     status, code = 413, "payload_too_large"
 
@@ -123,9 +137,9 @@ class Forbidden(LoRASyncError):
 
 
 class Conflict(LoRASyncError):
-    """The request clashes with the server's state (a group of that name exists, a lease
-    is still mapped) (409)."""
-    status, code = 409, "group_exists"
+    """The request clashes with the server's state (409); the code says how: a group of that
+    name exists, a name the engine serves, a lease still mapped."""
+    status, code = 409, "conflict"
 
 
 class TooBusy(LoRASyncError):
@@ -159,7 +173,11 @@ class PushFailed(LoRASyncError):
 _CLASS_OF_CODE = {"version_conflict": VersionConflict, "group_exists": Conflict,
                   "name_taken": Conflict,
                   "lease_mapped": Conflict, "body_timeout": TimedOut,
-                  "transfer_failed": TransferFailed}
+                  "transfer_failed": TransferFailed,
+                  "client_disconnected": ClientDisconnected,
+                  **{code: BadRequest for code in (
+                      "bad_request", "bad_version", "bad_name", "bad_lease", "no_group",
+                      "transfer_mismatch", "layout_unknown", "bad_content_type")}}
 _CLASS_OF_STATUS = {cls.status: cls for cls in (BadAdapter, Unauthorized, Forbidden, NotFound,
                                                 TimedOut, Conflict, PayloadTooLarge, TooBusy,
                                                 TransferFailed)}

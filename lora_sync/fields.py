@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from .errors import BadAdapter
+from .errors import BadAdapter, BadRequest
 
 REQUIRED = object()
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
@@ -19,7 +19,7 @@ def field(body: dict, key: str, kind: type, default=REQUIRED, *, lo=None, hi=Non
     value = body.get(key)
     if value is None:
         if default is REQUIRED:
-            raise BadAdapter(f"{where} field {key!r} is required ({_KINDS[kind]})",
+            raise BadRequest(f"{where} field {key!r} is required ({_KINDS[kind]})",
                              code="bad_request")
         return default
     return check(value, kind, f"{where} field {key!r}", lo=lo, hi=hi, max_len=max_len)
@@ -31,15 +31,15 @@ def check(value, kind: type, what: str, *, lo=None, hi=None, max_len: int | None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value) if abs(value) < 2 ** 1000 else math.inf
     if not ok:
-        raise BadAdapter(f"{what} must be {_KINDS[kind]}, got {type(value).__name__}",
+        raise BadRequest(f"{what} must be {_KINDS[kind]}, got {type(value).__name__}",
                          code="bad_request")
     if kind is float and not math.isfinite(value):
-        raise BadAdapter(f"{what} must be a finite number", code="bad_request")
+        raise BadRequest(f"{what} must be a finite number", code="bad_request")
     if kind in (int, float) and ((lo is not None and value < lo) or (hi is not None and value > hi)):
         shown = value if kind is float or value.bit_length() < 64 else "<huge>"
-        raise BadAdapter(f"{what} is {shown}, must be between {lo} and {hi}", code="bad_request")
+        raise BadRequest(f"{what} is {shown}, must be between {lo} and {hi}", code="bad_request")
     if max_len is not None and kind in (str, list) and len(value) > max_len:
-        raise BadAdapter(f"{what} is longer than {max_len}", code="bad_request")
+        raise BadRequest(f"{what} is longer than {max_len}", code="bad_request")
     return value
 
 
@@ -63,5 +63,6 @@ def loads(text, what: str = "request body", code: str = "bad_request"):
     try:
         return json.loads(text, object_pairs_hook=unique_keys)
     except _DuplicateKey as e:
-        raise BadAdapter(f"{what} names the key {e.key[:200]!r} twice; name each key once",
-                         code=code) from None
+        cls = BadRequest if code == "bad_request" else BadAdapter
+        raise cls(f"{what} names the key {e.key[:200]!r} twice; name each key once",
+                  code=code) from None

@@ -18,15 +18,17 @@ class IntakeRequest:
     config: dict
     checksum: str | None = None
     args: dict = field(default_factory=dict)
+    check_finite: bool = False  # the operator's LORA_SYNC_CHECK_FINITE (Settings)
 
     def to_json(self) -> dict:
         return {"transport": self.transport, "adapter_id": self.adapter_id,
-                "config": self.config, "checksum": self.checksum, "args": self.args}
+                "config": self.config, "checksum": self.checksum, "args": self.args,
+                "check_finite": self.check_finite}
 
     @classmethod
     def from_json(cls, d: dict) -> "IntakeRequest":
         return cls(str(d["transport"]), int(d["adapter_id"]), dict(d["config"]),
-                   d.get("checksum"), dict(d.get("args") or {}))
+                   d.get("checksum"), dict(d.get("args") or {}), bool(d.get("check_finite")))
 
 
 @dataclass(frozen=True)

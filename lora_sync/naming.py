@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .errors import BadAdapter, VersionConflict
+from .errors import BadRequest, VersionConflict
 
 # ASCII only and matched whole (`fullmatch`): `$` would accept a trailing newline, which then
 # breaks the X-LoRA-Name reply header of every request on that name.
@@ -26,10 +26,10 @@ def split_versioned(served: str) -> tuple[str, int | None]:
 
 def check_name(name, what: str = "lora_name") -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise BadAdapter(f"{what} {_short(name)} must be 1-128 ASCII letters, digits, "
+        raise BadRequest(f"{what} {_short(name)} must be 1-128 ASCII letters, digits, "
                          "'.', '_' or '-', starting with a letter or digit", code="bad_name")
     if _VERSIONED.fullmatch(name):
-        raise BadAdapter(f"{what} {name!r} must not end in -v<N>: the server appends the "
+        raise BadRequest(f"{what} {name!r} must not end in -v<N>: the server appends the "
                          "version itself", code="bad_name")
     return name
 
@@ -39,14 +39,14 @@ def parse_version(raw) -> int | None:
     if raw is None or raw == "":
         return None
     if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise BadAdapter(f"version {_short(raw)} must be a decimal integer", code="bad_version")
+        raise BadRequest(f"version {_short(raw)} must be a decimal integer", code="bad_version")
     if isinstance(raw, str):
         if not _DIGITS.fullmatch(raw):
-            raise BadAdapter(f"version {_short(raw)} must be 1-19 ASCII digits",
+            raise BadRequest(f"version {_short(raw)} must be 1-19 ASCII digits",
                              code="bad_version")
         raw = int(raw)
     if not 1 <= raw <= MAX_VERSION:
-        raise BadAdapter(f"version {_short(raw)} must be between 1 and {MAX_VERSION}",
+        raise BadRequest(f"version {_short(raw)} must be between 1 and {MAX_VERSION}",
                          code="bad_version")
     return raw
 

@@ -6,7 +6,7 @@ Notices live in this API process's staging directory, so they go with it when th
 stops (and with the orphan sweep after a kill -9); a notice written after its waiter gave
 up is swept once it is NOTICE_MAX_AGE_S old. The waiter listens on a datagram socket beside
 them, which each writer pings once its notice is in place: it wakes at once instead of on
-its next poll (polling every 2 ms cost about 1 ms of every broadcast push)."""
+its next poll (a poll added half its interval, on average, to every broadcast push)."""
 from __future__ import annotations
 
 import asyncio

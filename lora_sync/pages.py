@@ -3,9 +3,9 @@ paged: huge pages whatever the host's setting, mappings at a huge page's boundar
 madvise(2) without the GIL.
 
 A 70 MB lease in 4 KiB pages is 17,000 pages: the trainer's mapping fills 17,000 page-table
-entries ahead (40 ms on this VM), its unmap tears them down on the push's path (4-5 ms, and
-the server's seal waits for it), and each worker that maps the sealed lease faults them in
-again. Held in 2 MiB pages (folios), the same work is per 512 pages.
+entries ahead (several times the cost of the copy into them), its unmap tears them down on
+the push's path (and the server's seal waits for it), and each worker that maps the sealed
+lease faults them in again. Held in 2 MiB pages (folios), the same work is per 512 pages.
 
 Linux gives shared memory huge pages only where the operator allows it
 (`transparent_hugepage/shmem_enabled`, `never` by default), but `MADV_COLLAPSE` (Linux 6.1)
@@ -56,11 +56,12 @@ def give_huge_pages(fd: int, nbytes: int) -> bool:
     page). False where the kernel would not (before 6.1, `deny`, no huge page to be had):
     the file then fills with small pages as before. No mapping stays.
 
-    What it costs depends on where the huge pages come from. 70 MB on this VM: 5-7 ms, plus
-    12 to fill a mapping of it (40 in small pages), while memory freed in the last seconds
-    is at hand; 80-200 ms after a few idle seconds, once the guest has handed free 2 MiB
-    blocks back to the host (KVM free page reporting) and the host must back them again.
-    So it is done only off the push's path, for a lease readied ahead."""
+    What it costs depends on where the huge pages come from. While recently freed memory is
+    at hand, about what copying the bytes costs (and a mapping of it then fills in under a
+    third of the time small pages take); an order of magnitude more once a VM's guest has
+    handed free 2 MiB blocks back to the host (KVM free page reporting, after a short idle
+    spell) and the host must back them again. So it is done only off the push's path, for a
+    lease readied ahead."""
     span = nbytes // HUGE_PAGE * HUGE_PAGE
     start = _map_at_boundary(fd, span, mmap.PROT_READ | mmap.PROT_WRITE) if span else None
     if start is None:
@@ -77,9 +78,10 @@ def give_huge_pages(fd: int, nbytes: int) -> bool:
 
 def map_read_only(fd: int, nbytes: int) -> memoryview:
     """A file mapped shared and read-only at a 2 MiB boundary, where each huge page of it
-    maps in one fault (Python's mmap, at any address, maps a few small pages per fault: 70
-    MB read 0.9 ms slower). A read-only memoryview of `nbytes`; the mapping goes once
-    nothing views it any more. OSError where it cannot be mapped."""
+    maps in one fault (Python's mmap, at any address, maps a few small pages per fault, so
+    reading it all takes dozens of times as many faults). A read-only memoryview of
+    `nbytes`; the mapping goes once nothing views it any more. OSError where it cannot be
+    mapped."""
     if nbytes <= 0:
         raise ValueError("cannot map an empty file")
     # Mapped in whole huge pages (past the end of the file nothing is ever read): the types
@@ -127,7 +129,8 @@ def _map_at_boundary(fd: int, span: int, prot: int) -> int | None:
 def advise(mapping: mmap.mmap, advice: int) -> None:
     """madvise(2) on the whole mapping, letting go of the GIL meanwhile: Python's
     `mmap.madvise` holds it, and filling a lease's pages on the client's thread then stalled
-    every other thread of the trainer (200 MB: a 215 ms stall; 3 ms through here)."""
+    every other thread of the trainer for the whole fill, which grows with the lease;
+    through this function they run on meanwhile."""
     anchor = ctypes.c_char.from_buffer(mapping)
     try:
         madvise(ctypes.addressof(anchor), len(mapping), advice)

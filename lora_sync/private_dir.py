@@ -65,6 +65,11 @@ def private_dir(root: str) -> str:
     return path
 
 
+def current_root(default: str) -> str:
+    """The root of the directory this process made last (`default` before it made any)."""
+    return next(reversed(_made), default)
+
+
 def forget(root: str) -> None:
     """Removes this process's directory under `root` (at exit)."""
     path = _made.pop(root, None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import fields, naming
-from .errors import BadAdapter, LoRASyncError
+from .errors import BadRequest, LoRASyncError
 
 REQUIRED = fields.REQUIRED
 
@@ -24,14 +24,14 @@ def field(body: dict, key: str, kind: type, default=REQUIRED, *, server: str, wh
     """`body[key]` as `kind` (bounds as in lora_sync.fields), or `bad_reply`."""
     try:
         return fields.field(body, key, kind, default, where=f"{what} reply", **bounds)
-    except BadAdapter as e:
+    except BadRequest as e:
         raise bad_reply(server, e.message) from None
 
 
 def check(value, kind: type, what: str, *, server: str, **bounds):
     try:
         return fields.check(value, kind, what, **bounds)
-    except BadAdapter as e:
+    except BadRequest as e:
         raise bad_reply(server, e.message) from None
 
 
@@ -179,7 +179,7 @@ def served_version(server: str, headers: dict) -> int | None:
         return None
     try:
         return naming.parse_version(raw)
-    except BadAdapter as e:
+    except BadRequest as e:
         raise bad_reply(server, f"X-LoRA-Version: {e.message}") from None
 
 

@@ -22,7 +22,7 @@ from . import pages, private_dir, wire
 from .background import Yielding
 from .errors import BadAdapter, PayloadTooLarge, TimedOut, TooBusy
 
-SHM_DIR = os.environ.get("LORA_SYNC_SHM_DIR", "/dev/shm")
+SHM_DIR = "/dev/shm"  # the default root (Settings.shm_dir)
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,10 @@ class StagedFile:
         self.area.recycle(self.path)
 
 
-def staging_dir(root: str = SHM_DIR) -> str:
+def staging_dir() -> str:
     """This API process's own private directory for staged bodies and notices
-    (lora_sync/private_dir.py: unguessable, 0700, checked)."""
-    return private_dir.private_dir(root)
+    (lora_sync/private_dir.py: unguessable, 0700, checked), under its StagingArea's root."""
+    return private_dir.private_dir(private_dir.current_root(SHM_DIR))
 
 
 def _too_large(n: int, limit: int) -> PayloadTooLarge:
@@ -79,7 +79,7 @@ class StagingArea:
         """`map_kept`: keep a writable mapping of each kept file for bodies read straight
         into it (only bodies read from the socket are: False when none is)."""
         private_dir.remove_orphans(root)
-        self.root, self.dir = root, staging_dir(root)
+        self.root, self.dir = root, private_dir.private_dir(root)
         self.spare, self.free, self.map_kept = spare, [], map_kept
         # Each kept file's size when it was last given huge pages (or sent on its way to
         # them), lowered when a body shrinks it: bytes past it are in small pages.
@@ -168,16 +168,16 @@ class StagingArea:
         A file kept for later bodies is put in huge pages on a thread, the first time and
         whenever a body made it longer than it then was (the bytes a file grows by are new
         small pages): a worker then maps a 70 MB body in 35 faults, not 17,000 page-table
-        entries (intake 8.8 -> 3.4 ms on vLLM, 8.5 -> 3.6 on SGLang, at rank 64). It takes
-        0.3-2 ms with free memory at hand, 180-220 ms where the host took it back
-        (docs/protocol.md), so never on a push's path. A body written meanwhile is safe: the
-        kernel locks each page it moves.
+        entries, which cuts an engine's intake at rank 64 to under half. It is cheap with
+        free memory at hand but costs more than a whole push where the host took the memory
+        back (docs/protocol.md), so never on a push's path. A body written meanwhile is safe:
+        the kernel locks each page it moves.
 
         The same thread then maps the file writable with its page tables filled, kept until
         the file grows past it or goes: the next body the mapping spans is read from the
-        socket straight into it, one copy fewer than through a buffer and `os.write` (rank
-        64, 16 pairs on one server: the push -5.8 ms on SGLang, -2.4 on vLLM, paired
-        medians). Mapped per body instead, its page faults cost more than the copy saves."""
+        socket straight into it, one copy fewer than through a buffer and `os.write` (a
+        faster push on both engines at rank 64). Mapped per body instead, its page faults
+        cost more than the copy saves."""
         if len(self.free) < self.spare and os.path.exists(path):
             size, held = os.path.getsize(path), self.huge.get(path)
             self.huge[path] = size

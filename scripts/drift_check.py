@@ -48,9 +48,7 @@ ENGINE_FILES = {"vllm": REPO / "vllm_ext" / "engine_api.py",
                 "trl": REPO / "lora_sync" / "integrations" / "trl.py"}
 # Further files with a TOUCHED list of the same package, checked with it.
 MORE_FILES = {"trl": (REPO / "testbed" / "trl_cpu.py",)}  # TRL on CPU (tests, demo)
-PINS_FILE, PINS_ENGINES = REPO / "lora_sync" / "server" / "pins.py", {"vLLM": "vllm",
-                                                                      "SGLang": "sglang",
-                                                                      "TRL": "trl"}
+PINS_ENGINES = {"vLLM": "vllm", "SGLang": "sglang", "TRL": "trl"}
 LIST_NAME, TABLE_NAME, MIRRORS_NAME = "TOUCHED", "BY_VERSION", "MIRRORS"
 # Private attributes lora-sync itself sets on engine objects. Not for TRL: its trainer has a
 # `_lora_sync` of its own, and our subclass keeps its state in public `lora_sync_*` names.
@@ -503,8 +501,11 @@ class Target:
 
 
 def supported_targets() -> list[str]:
-    """NAME==VERSION for every version the start-up check accepts (read, not imported)."""
-    pins = module_literal(PINS_FILE, "SUPPORTED")
+    """NAME==VERSION for every version the start-up check accepts (lora_sync.server.pins,
+    which imports no engine)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from lora_sync.server.pins import SUPPORTED as pins
     return [f"{PINS_ENGINES[engine]}=={v}" for engine, versions in pins.items() for v in versions]
 
 

@@ -42,7 +42,7 @@ from lora_sync import pages, wire  # noqa: E402
 from lora_sync.transports import shm  # noqa: E402
 from lora_sync.transports.device_copy import HostPin, copy_to_host  # noqa: E402
 
-# Qwen2.5-0.5B's linear layers (in, out) and depth: the README benchmark's shapes.
+# Qwen2.5-0.5B's linear layers (in, out) and depth: the benchmark's shapes (docs/benchmarks.md).
 LAYERS = 24
 MODULES = {"q_proj": (896, 896), "k_proj": (896, 128), "v_proj": (896, 128),
            "o_proj": (896, 896), "gate_proj": (896, 4864), "up_proj": (896, 4864),

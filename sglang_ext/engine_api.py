@@ -2,7 +2,8 @@
 
 HTTP process: the tokenizer manager (its scheduler channel and LoRA registry) and the app.
 Scheduler process: the request dispatcher and the LoRA manager of its model runner.
-Messages between them are two small msgspec structs of our own (docs/sglang_notes.md §5).
+Messages between them are two small msgspec structs of our own (docs/engines.md,
+"Extension points for a lora-sync plugin").
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ import os
 import runpy
 import sys
 
+from lora_sync.server.settings import API_KEY_ENV, read
+
 from . import engine_api
 
 
@@ -19,7 +21,7 @@ def main() -> None:
     if "--enable-lora" not in sys.argv:
         sys.argv.append("--enable-lora")
     # One admin key for our routes and SGLang's own admin routes (see plugin.py).
-    key = os.environ.get("LORA_SYNC_API_KEY")
+    key = read(API_KEY_ENV)
     if key and not any(a.startswith("--admin-api-key") for a in sys.argv):
         sys.argv += ["--admin-api-key", key]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)

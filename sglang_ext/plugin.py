@@ -6,7 +6,6 @@ message handler to every scheduler and our routes + admission middleware to the 
 from __future__ import annotations
 
 import importlib
-import os
 from functools import partial
 
 from . import engine_api
@@ -32,11 +31,12 @@ def _on_tokenizer_manager(tm) -> None:
     from lora_sync.server import metrics
     from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
     from lora_sync.server.routes import build_router, own_paths
-    from lora_sync.server.service import AdapterService, Settings
+    from lora_sync.server.service import AdapterService
+    from lora_sync.server.settings import API_KEY_ENV, Settings, read
 
     from .bridge import SGLangBridge
     api_key, admin_key = engine_api.engine_keys(tm)
-    ours = os.environ.get("LORA_SYNC_API_KEY") or None
+    ours = read(API_KEY_ENV)
     # SGLang's own middleware checks admin routes (ours included) against --admin-api-key,
     # and against --api-key when that is the only key: one admin key must serve both.
     if ours and (admin_key or api_key) and admin_key != ours:

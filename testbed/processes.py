@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from lora_sync.collective import free_port
+from lora_sync.engines import ENGINES
 
 INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
@@ -160,7 +161,7 @@ def vllm_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64,
                 dtype: str = "float32", python: str = sys.executable) -> ServerProcess:
     """A vLLM CPU server with lora-sync, through our launcher."""
     port = port or free_port()
-    cmd = [python, "-m", "vllm_ext.serve", "--model", str(model_dir), "--host", "127.0.0.1",
+    cmd = [python, "-m", ENGINES["vllm"].launcher, "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
            "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
            "--max-cpu-loras", str(max_cpu_loras), "--max-num-seqs", "8",
@@ -179,7 +180,7 @@ def sglang_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64
     otherwise busy-polls a whole core). --enable-metrics: SGLang serves /metrics (with
     lora-sync's metrics) only then."""
     port = port or free_port()
-    cmd = [python, "-m", "sglang_ext.launch_server", "--model-path", str(model_dir),
+    cmd = [python, "-m", ENGINES["sglang"].launcher, "--model-path", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
            "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--lora-target-modules",
            "all", "--lora-backend", "torch_native", "--max-total-tokens", "8192",

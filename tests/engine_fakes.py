@@ -57,7 +57,6 @@ from lora_sync.messages import check_replies
 from lora_sync.server.bridge import EngineBridge
 from lora_sync.server.routes import build_router, own_paths
 from lora_sync.server.service import AdapterService, Settings
-from worker_extensions import receiver
 from worker_extensions.dispatcher import LoRASyncWorker, WorkerEngine
 
 from .conftest import SERVER_ENV
@@ -403,7 +402,7 @@ class FakeEngineServer:
     `settings`: AdapterService settings (default: like the real test servers, see
     settings_like_test_servers; `**overrides` change single fields, e.g. max_names=3).
     `workers`: fake engine workers (ranks). `engine_keys`: the engine's own API keys.
-    `check_finite`: LORA_SYNC_CHECK_FINITE for the workers (the test servers set it)."""
+    `check_finite`: Settings.check_finite (default: as the test servers, which set it)."""
 
     engine = "vllm"  # routes under /v1, like a vLLM server
 
@@ -411,9 +410,8 @@ class FakeEngineServer:
                  check_finite: bool | None = None, engine_keys: tuple = (), **overrides):
         self.settings = settings or settings_like_test_servers(**overrides)
         self.api_key = self.settings.api_key
-        if check_finite is None:
-            check_finite = SERVER_ENV.get("LORA_SYNC_CHECK_FINITE") == "1"
-        self.check_finite = check_finite
+        if check_finite is not None:
+            self.settings.check_finite = check_finite
         if engine_keys:
             self.settings.engine_has_key = True
             self.settings.generation_keys = tuple(engine_keys)
@@ -425,7 +423,6 @@ class FakeEngineServer:
         self._server = None
         self._thread: threading.Thread | None = None
         self._logs = _LogBuffer()
-        self._finite_before = None
 
     # the ServerProcess surface ------------------------------------------------------------
     def start(self) -> "FakeEngineServer":
@@ -437,7 +434,6 @@ class FakeEngineServer:
         self.url = f"http://127.0.0.1:{self.port}"
         for name in LOGGERS:
             logging.getLogger(name).addHandler(self._logs)
-        self._finite_before, receiver.CHECK_FINITE = receiver.CHECK_FINITE, self.check_finite
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=2,
                                 timeout_keep_alive=5)
@@ -475,8 +471,6 @@ class FakeEngineServer:
             self._thread.join(timeout=15)
         for name in LOGGERS:
             logging.getLogger(name).removeHandler(self._logs)
-        if self._finite_before is not None:
-            receiver.CHECK_FINITE, self._finite_before = self._finite_before, None
         # What the service holds outside the loop: open leases (memfds) and staged files.
         # (The staging directory is shared by every fake server of this process: the files
         # go, the directory stays.)

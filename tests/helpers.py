@@ -15,6 +15,7 @@ import time
 import torch
 
 from lora_sync import http, wire
+from lora_sync.engines import ENGINES
 
 from .conftest import API_KEY, REPO
 
@@ -54,7 +55,7 @@ def greedy(client, model: str, prompt: str = PROMPT, n: int = 12) -> str:
 def disk_model(client, name: str) -> str:
     """How a request names an adapter loaded by the engine's own disk route (SGLang's
     OpenAI routes take 'base:<adapter>'; ours take the plain name on both engines)."""
-    return f"base:{name}" if client.servers[0].engine == "sglang" else name
+    return ENGINES[client.servers[0].engine].disk_model(name)
 
 
 def post_body(server_route: str, body, content_type="application/octet-stream", headers=None):

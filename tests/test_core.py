@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from lora_sync import BadAdapter, LoRAAdapter, ModelSpec, NotFound, VersionBook, VersionConflict
+from lora_sync import BadAdapter, BadRequest, LoRAAdapter, ModelSpec, NotFound, VersionBook, VersionConflict
 from lora_sync import collective, naming, wire
-from lora_sync.adapter import check_adapter, parse_peft_key
+from lora_sync.adapter import Coverage, FusedLayer, check_adapter, parse_peft_key
 
 SPEC = ModelSpec({"model.layers.0.self_attn.q_proj": (128, 128),
                   "model.layers.0.mlp.down_proj": (256, 128)}, max_rank=16)
@@ -379,7 +379,7 @@ def test_names_and_versions():
     assert naming.split_versioned("pol-v3") == ("pol", 3)
     assert naming.split_versioned("pol") == ("pol", None)
     for bad in ("", "a/b", "pol-v2", None, "x" * 200):
-        with pytest.raises(BadAdapter):
+        with pytest.raises(BadRequest):
             naming.check_name(bad)
     book = VersionBook()
     assert book.reserve("p", None) == 1
@@ -458,14 +458,14 @@ def test_duplicate_tensor_names_are_refused():
 @pytest.mark.parametrize("raw", ["1_0", "\u0663", " 7 ", "+4", "9" * 4300, "0", -1, 1.5, True,
                                  str(2 ** 63), 2 ** 63, "1e3", [1]])
 def test_versions_are_ascii_digits_in_range(raw):
-    with pytest.raises(BadAdapter) as e:
+    with pytest.raises(BadRequest) as e:
         naming.parse_version(raw)
     assert e.value.code == "bad_version" and len(e.value.message) < 300
 
 
 def test_names_match_whole_and_ascii():
     for bad in ("nl\n", "a" * 128 + "\n", "ünï", "x-v\u0663"):
-        with pytest.raises(BadAdapter):
+        with pytest.raises(BadRequest):
             naming.check_name(bad)
     assert naming.split_versioned("p-v\u0663") == ("p-v\u0663", None)
     assert naming.parse_version("42") == 42 and naming.parse_version(7) == 7
@@ -502,6 +502,120 @@ def test_a_module_named_twice_is_refused():
     assert e.value.code == "duplicate_module"
 
 
+# -- coverage: what each engine's LoRA layers serve (docs/security.md) ------------
+PROJ = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (64, 32),
+        "self_attn.v_proj": (64, 32), "self_attn.o_proj": (64, 64),
+        "mlp.gate_proj": (64, 96), "mlp.up_proj": (64, 96), "mlp.down_proj": (96, 64)}
+LEAF = {p: p.split(".")[1] for p in PROJ}
+
+
+def two_layer_spec(coverage):
+    return ModelSpec({f"model.layers.{i}.{p}": f for i in (0, 1) for p, f in PROJ.items()},
+                     16, coverage)
+
+
+def layers_lora(layers: list[set], r=4, dtype=torch.float32):
+    """lora() for each projection named in each layer's set."""
+    out = {}
+    for i, leaves in enumerate(layers):
+        for p, fan in PROJ.items():
+            if LEAF[p] in leaves:
+                out.update(lora(r, f"model.layers.{i}.{p}", fan, dtype))
+    return out
+
+
+def sglang_rule_refuses(leaves: set) -> bool:
+    """SGLang 0.5.23, restated from its code (sglang_ext/bridge.py COVERAGE says why): a
+    layer's q/k/v are served only with q_proj and v_proj, gate/up only with gate_proj."""
+    return (bool(leaves & {"q_proj", "k_proj", "v_proj"}) and
+            not {"q_proj", "v_proj"} <= leaves) or ("up_proj" in leaves and
+                                                    "gate_proj" not in leaves)
+
+
+SGLANG_LIKE = Coverage("SGLang", (
+    FusedLayer("qkv_proj", ("q_proj", "k_proj", "v_proj"), frozenset({"q_proj", "v_proj"})),
+    FusedLayer("gate_up_proj", ("gate_proj", "up_proj"), frozenset({"gate_proj"}))))
+LEAVES = sorted(set(LEAF.values()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sets(st.sampled_from(LEAVES)), min_size=2, max_size=2).filter(any))
+def test_fused_groups_the_engine_cannot_serve_are_refused_by_module(layers):
+    """Each layer on its own: SGLang normalizes q/k/v and gate/up per layer. vLLM serves every
+    subset (its bridge's COVERAGE)."""
+    from vllm_ext.bridge import COVERAGE as VLLM
+    tensors = layers_lora(layers)
+    config = cfg(targets=sorted(set().union(*layers)))
+    check_adapter(specs_of(tensors), config, two_layer_spec(VLLM))
+    bad = [i for i, leaves in enumerate(layers) if sglang_rule_refuses(leaves)]
+    if not bad:
+        check_adapter(specs_of(tensors), config, two_layer_spec(SGLANG_LIKE))
+        return
+    with pytest.raises(BadAdapter) as e:
+        check_adapter(specs_of(tensors), config, two_layer_spec(SGLANG_LIKE))
+    assert e.value.code == "unsupported_module" and e.value.status == 400
+    # It names the first offending layer's module and what it lacks.
+    assert f"'model.layers.{bad[0]}." in e.value.message, e.value.message
+    assert "SGLang" in e.value.message and " without " in e.value.message
+
+
+@pytest.mark.parametrize("leaves,named", [
+    ({"v_proj"}, "self_attn.v_proj"), ({"k_proj"}, "self_attn.k_proj"),
+    ({"q_proj"}, "self_attn.q_proj"), ({"k_proj", "v_proj"}, "self_attn.k_proj"),
+    ({"q_proj", "k_proj"}, "self_attn.k_proj"), ({"up_proj"}, "mlp.up_proj"),
+    ({"up_proj", "down_proj"}, "mlp.up_proj"), ({"q_proj", "v_proj"}, None),
+    ({"q_proj", "k_proj", "v_proj"}, None), ({"gate_proj"}, None),
+    ({"gate_proj", "up_proj"}, None), ({"o_proj", "down_proj"}, None), (set(LEAVES), None)])
+def test_sglang_like_coverage_table(leaves, named):
+    """The cases of the security review, one by one: refused naming a module, or served."""
+    tensors, config = layers_lora([leaves, leaves]), cfg(targets=sorted(leaves))
+    if named is None:
+        check_adapter(specs_of(tensors), config, two_layer_spec(SGLANG_LIKE))
+        return
+    with pytest.raises(BadAdapter) as e:
+        check_adapter(specs_of(tensors), config, two_layer_spec(SGLANG_LIKE))
+    assert e.value.code == "unsupported_module"
+    assert f"module 'model.layers.0.{named}'" in e.value.message, e.value.message
+
+
+def test_dtypes_outside_the_engines_coverage_are_refused_by_tensor():
+    spec = two_layer_spec(Coverage("narrow", dtypes=frozenset({"F32"})))
+    check_adapter(specs_of(layers_lora([{"o_proj"}, set()])), cfg(targets=["o_proj"]), spec)
+    with pytest.raises(BadAdapter) as e:
+        check_adapter(specs_of(layers_lora([{"o_proj"}, set()], dtype=torch.float16)),
+                      cfg(targets=["o_proj"]), spec)
+    assert e.value.code == "bad_dtype" and "o_proj.lora_A" in e.value.message
+
+
+def test_coverage_travels_in_lora_sync_info_and_the_trainer_applies_it():
+    """The trainer rebuilds each server's spec from lora_sync_info (broadcast.init_group) and
+    refuses what that server would, before any collective call."""
+    from lora_sync.transports.broadcast import TrainerGroup
+    spec = two_layer_spec(SGLANG_LIKE)
+    info = json.loads(json.dumps(spec.info()))
+    assert ModelSpec.from_info(info) == spec
+    old = {k: v for k, v in info.items() if k != "coverage"}  # a server from before coverage
+    assert ModelSpec.from_info(old).coverage == Coverage()
+    group = TrainerGroup("g", None, 2, "gloo", "cpu", 1 << 20, 10.0)
+    group.specs = [ModelSpec.from_info(info)]
+    v_only = LoRAAdapter(layers_lora([{"v_proj"}, {"v_proj"}]), cfg(targets=["v_proj"]))
+    with pytest.raises(BadAdapter) as e:
+        group.plan(v_only)
+    assert e.value.code == "unsupported_module" and "self_attn.v_proj" in e.value.message
+    fine = LoRAAdapter(layers_lora([{"q_proj", "v_proj"}] * 2), cfg(targets=["q_proj", "v_proj"]))
+    assert group.plan(fine)[0] == fine.specs()
+
+
+@pytest.mark.parametrize("coverage", [
+    [], {"fused": "x"}, {"fused": [1]}, {"fused": [{"name": "a", "parts": "q_proj"}]},
+    {"fused": [{"name": "a", "parts": ["q_proj"], "needs": ["v_proj"]}]},
+    {"fused": [], "dtypes": [3]}])
+def test_malformed_coverage_in_info_fails_loudly(coverage):
+    info = {**two_layer_spec(SGLANG_LIKE).info(), "coverage": coverage}
+    with pytest.raises(ValueError):
+        ModelSpec.from_info(info)
+
+
 @pytest.mark.parametrize("body", [
     {"master_address": "h", "master_port": 70000, "rank_offset": 1, "world_size": 2},
     {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 1e30},
@@ -515,7 +629,7 @@ def test_a_module_named_twice_is_refused():
 ])
 def test_group_requests_are_typed(body):
     from lora_sync.transports.broadcast import InitGroupRequest
-    with pytest.raises(BadAdapter):
+    with pytest.raises(BadRequest):
         InitGroupRequest.from_json(body)
 
 

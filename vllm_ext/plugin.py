@@ -8,7 +8,8 @@ import os
 from lora_sync.server import metrics
 from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
 from lora_sync.server.routes import build_router, own_paths
-from lora_sync.server.service import AdapterService, Settings
+from lora_sync.server.service import AdapterService
+from lora_sync.server.settings import API_KEY_ENV, Settings, read
 
 from . import engine_api
 from .bridge import VLLMBridge
@@ -26,7 +27,7 @@ class LoRASyncEndpointPlugin:
             native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES],
             engine_guards=lambda path: path.startswith(engine_api.KEY_GUARDED_PREFIXES))
         # vLLM's --api-key middleware sits in front of our /v1 routes: let our key through.
-        engine_api.accept_admin_key(app.state.args, os.environ.get("LORA_SYNC_API_KEY"))
+        engine_api.accept_admin_key(app.state.args, read(API_KEY_ENV))
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:

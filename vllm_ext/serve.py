@@ -1,7 +1,7 @@
 """Launcher: `python -m vllm_ext.serve --model DIR [vLLM args]`.
 
 Starts vLLM's OpenAI server with lora-sync's routes and worker extension (and LoRA on).
-lora-sync's own settings come from the environment (see README):
+lora-sync's own settings come from the environment (docs/operations.md):
 LORA_SYNC_MAX_BODY_MB, LORA_SYNC_KEEP_VERSIONS, LORA_SYNC_API_KEY, ...
 
 vLLM's runtime adapter routes (/v1/load_lora_adapter, SageMaker's /adapters) load server-side

@@ -9,7 +9,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 
-from lora_sync.errors import BadAdapter
+from lora_sync.errors import BadRequest
 from lora_sync.messages import IntakeRequest, WorkerReply
 from lora_sync.notices import write_notice
 from lora_sync.transports import TRANSPORTS
@@ -72,7 +72,7 @@ class LoRASyncWorker:
         """Runs one op; its WorkerReply as a plain dict (what the engine's RPC carries)."""
         fn = self.ops.get(op)
         if fn is None or not isinstance(args, dict):
-            return WorkerReply.failed(BadAdapter(f"unknown lora-sync worker operation {op!r}",
+            return WorkerReply.failed(BadRequest(f"unknown lora-sync worker operation {op!r}",
                                                  code="bad_request")).to_json()
         return WorkerReply.run(fn, **args).to_json()
 
@@ -90,7 +90,7 @@ class LoRASyncWorker:
         intake = IntakeRequest.from_json(request)
         transport = TRANSPORTS.get(intake.transport)
         if transport is None:
-            raise BadAdapter(f"unknown transport {intake.transport!r}", code="bad_request")
+            raise BadRequest(f"unknown transport {intake.transport!r}", code="bad_request")
         rank, _ = self.engine.rank()
 
         def work() -> dict:
@@ -100,7 +100,7 @@ class LoRASyncWorker:
                 threading.Thread(target=fill_page_tables, args=(received.tensors,),
                                  name="lora-sync-fill-pages", daemon=True).start()
             t1 = time.perf_counter()
-            check_intake(received.tensors, intake.checksum)
+            check_intake(received.tensors, intake.checksum, intake.check_finite)
             stored = StoredAdapter(received.tensors, intake.config, received.nbytes,
                                    buffers=received.buffers, read_only=received.read_only)
             t2 = time.perf_counter()

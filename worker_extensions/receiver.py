@@ -5,7 +5,6 @@ The transports' worker sides (lora_sync/transports) use it as their pool: `take_
 `group`, `keep_spares`; the dispatcher (dispatcher.py) owns one per worker."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ import torch
 
 from lora_sync import collective
 from lora_sync.adapter import tensors_checksum
-from lora_sync.errors import BadAdapter, Conflict, TransferFailed
+from lora_sync.errors import BadAdapter, BadRequest, Conflict, TransferFailed
 from lora_sync.messages import WorkerReply
 from lora_sync.notices import write_notice
 
@@ -60,7 +59,7 @@ class WorkerState:
         """(process group, device) of a group this worker joined."""
         pg, device = self.groups.get(group_name, (None, None))
         if pg is None:
-            raise BadAdapter(f"no LoRA update group {group_name!r} on this worker; call "
+            raise BadRequest(f"no LoRA update group {group_name!r} on this worker; call "
                              "init_lora_update_group first", code="no_group")
         return pg, device
 
@@ -132,13 +131,14 @@ class WorkerState:
 # integer view is several times cheaper than torch.isfinite on CPU.
 _EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.float16: (torch.int16, 0x7C00),
              torch.bfloat16: (torch.int16, 0x7F80)}
-# Off by default: a full pass over the weights would be the largest part of a sync on CPU. Operators who want NaN/Inf refused set LORA_SYNC_CHECK_FINITE=1.
-CHECK_FINITE = os.environ.get("LORA_SYNC_CHECK_FINITE", "0") == "1"
 
 
-def check_intake(tensors: dict[str, torch.Tensor], checksum: str | None) -> None:
-    """What every transport checks once the tensors are in the worker."""
-    check_finite(tensors)
+def check_intake(tensors: dict[str, torch.Tensor], checksum: str | None,
+                 finite: bool) -> None:
+    """What every transport checks once the tensors are in the worker. `finite`: the
+    operator's LORA_SYNC_CHECK_FINITE, off by default (a full pass over the weights would
+    be the largest part of a sync on CPU)."""
+    check_finite(tensors, finite)
     if checksum:
         actual = tensors_checksum(tensors)
         if actual != checksum:
@@ -146,9 +146,9 @@ def check_intake(tensors: dict[str, torch.Tensor], checksum: str | None) -> None
                              f"says {checksum}", code="checksum_mismatch")
 
 
-def check_finite(tensors: dict[str, torch.Tensor], enabled: bool | None = None) -> None:
+def check_finite(tensors: dict[str, torch.Tensor], enabled: bool) -> None:
     """NaN/Inf weights would poison every request on the version: refuse them."""
-    if not (CHECK_FINITE if enabled is None else enabled):
+    if not enabled:
         return
     for name, t in tensors.items():
         as_int, mask = _EXPONENT[t.dtype]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..errors import BadAdapter, LoRASyncError, NotFound, PayloadTooLarge
+from ..errors import BadRequest, LoRASyncError, NotFound, PayloadTooLarge
 from ..fields import loads
 from .socket_body import RAW_RECEIVE
 
@@ -137,12 +137,12 @@ class AdmissionMiddleware:
         for place in places:
             for f in INTERNAL_FIELDS:
                 if place.get(f) is not None:
-                    raise BadAdapter(f"field {f!r} is internal to the engine; name the "
+                    raise BadRequest(f"field {f!r} is internal to the engine; name the "
                                      "adapter in 'model' or 'lora_path'", code="bad_request")
             for f, marker in self.cache_key_fields.items():
                 values = place.get(f) if isinstance(place.get(f), list) else [place.get(f)]
                 if any(isinstance(v, str) and marker in v for v in values):
-                    raise BadAdapter(f"field {f!r} must not contain {marker!r}: the engine "
+                    raise BadRequest(f"field {f!r} must not contain {marker!r}: the engine "
                                      "keys lora-sync's adapters by it", code="bad_request")
         admitted, ok, model_served = [], False, None
         try:
@@ -167,7 +167,7 @@ class AdmissionMiddleware:
             if model_served is not None:
                 for f in self.also_set:  # SGLang serves the adapter named in lora_path
                     if request.get(f) not in (None, model_served):
-                        raise BadAdapter(f"'model' names {model_served} but {f!r} names "
+                        raise BadRequest(f"'model' names {model_served} but {f!r} names "
                                          f"another adapter; name it once", code="bad_request")
                     request[f] = model_served
             if admitted and self.engine_guards is not None \
@@ -230,7 +230,7 @@ def _parse(body: bytes, scope):
     would otherwise read an adapter name that admission never saw (a parser differential)."""
     for name in ENCODING_HEADERS:
         if (_header(scope, name) or "identity").strip().lower() != "identity":
-            raise BadAdapter(f"{name.decode()} bodies cannot be checked by lora-sync's "
+            raise BadRequest(f"{name.decode()} bodies cannot be checked by lora-sync's "
                              "admission; send the request uncompressed", code="bad_request")
     ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
     if not body.strip() or ctype in FORM_TYPES:
@@ -238,11 +238,11 @@ def _parse(body: bytes, scope):
     try:
         return loads(body)
     except RecursionError:
-        raise BadAdapter("request body is nested too deeply", code="bad_request") from None
+        raise BadRequest("request body is nested too deeply", code="bad_request") from None
     except ValueError as e:
         if ctype not in ("", "application/json") and not ctype.endswith("+json"):
             return None  # not JSON, and not claimed to be: no engine reads a name from it
-        raise BadAdapter(f"request body is not valid JSON: {str(e)[:200]}",
+        raise BadRequest(f"request body is not valid JSON: {str(e)[:200]}",
                          code="bad_request") from None
 
 

@@ -38,8 +38,8 @@ TRANSPORT_NAMES = tuple(TRANSPORTS)
 # Seconds: a push of a small adapter takes milliseconds, a large broadcast seconds.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
            30.0, 60.0)
-# Multiprocess mode: the state snapshot is rewritten at most this often (a rewrite costs
-# about 0.5 ms; admission changes the state twice per generation request).
+# Multiprocess mode: the state snapshot is rewritten at most this often (a rewrite is not
+# free, and admission changes the state twice per generation request).
 SNAPSHOT_INTERVAL_S = 0.1
 
 # name, help, label names: the state gauges (the same on both registries).

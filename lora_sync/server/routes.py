@@ -2,7 +2,6 @@
 Mounted under /v1 on vLLM and at the root on SGLang."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -10,10 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from ..errors import BadAdapter, LoRASyncError, PayloadTooLarge
+from ..errors import BadRequest, ClientDisconnected, LoRASyncError, PayloadTooLarge
 from ..fields import loads
 from ..transports import TRANSPORTS
-from ..transports.base import RawBody, Transport
+from ..transports.base import PROTOCOL_HEADER, PROTOCOL_VERSION, RawBody, Transport, \
+    check_protocol
 from . import metrics
 from .service import AdapterService
 from .socket_body import RAW_RECEIVE, BodyChunks
@@ -52,9 +52,9 @@ async def _json(request: Request, limit: int) -> dict:
     try:
         body = loads(raw)
     except (ValueError, RecursionError) as e:
-        raise BadAdapter(f"body must be JSON ({type(e).__name__})", code="bad_request") from e
+        raise BadRequest(f"body must be JSON ({type(e).__name__})", code="bad_request") from e
     if not isinstance(body, dict):
-        raise BadAdapter("body must be a JSON object", code="bad_request")
+        raise BadRequest("body must be a JSON object", code="bad_request")
     return body
 
 
@@ -66,12 +66,13 @@ def build_router(prefix: str = "") -> APIRouter:
         t0 = time.perf_counter()
         try:
             service.authorize(request.headers.get("authorization"))
+            if request.method == "POST":  # another protocol: refused before anything else
+                check_protocol(request.headers.get(PROTOCOL_HEADER))
             body, status = await action(service), 200
         except LoRASyncError as e:
             body, status = e.to_json(), e.status
         except ClientDisconnect:
-            err = BadAdapter("the client disconnected before the body was complete",
-                             code="client_disconnected")
+            err = ClientDisconnected("the client disconnected before the body was complete")
             body, status = err.to_json(), err.status
         except Exception as e:  # a bug of ours or the engine's: say so, keep serving
             logger.exception("lora-sync route %s failed", request.url.path)
@@ -81,16 +82,17 @@ def build_router(prefix: str = "") -> APIRouter:
                         PUSH_ROUTES.get(route) or PUSH_START_ROUTES.get(route))
         body["instance_id"] = service.instance_id
         return JSONResponse(body, status_code=status,
-                            headers={INSTANCE_HEADER: service.instance_id})
+                            headers={INSTANCE_HEADER: service.instance_id,
+                                     PROTOCOL_HEADER: str(PROTOCOL_VERSION)})
 
     async def read_stream(request: Request, service: AdapterService) -> RawBody:
         ctype = request.headers.get("content-type", "").split(";")[0].strip()
         if ctype != "application/octet-stream":
-            raise BadAdapter(f"Content-Type {ctype or 'none'!r} refused: {PICKLE_HINT}",
+            raise BadRequest(f"Content-Type {ctype or 'none'!r} refused: {PICKLE_HINT}",
                              code="bad_content_type", status=415)
         length = request.headers.get("content-length")
         if length is not None and not (length.isascii() and length.isdigit()):
-            raise BadAdapter("Content-Length must be a decimal integer", code="bad_request")
+            raise BadRequest("Content-Length must be a decimal integer", code="bad_request")
         length = int(length) if length else None
         chunks = request.stream()
         if service.settings.socket_body:  # from the socket where it can (socket_body.py)

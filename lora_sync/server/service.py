@@ -4,9 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import math
-import os
 import time
 import uuid
 from collections import OrderedDict
@@ -16,12 +14,12 @@ from .. import naming
 from ..adapter import ModelSpec, check_adapter
 from ..errors import Conflict, Forbidden, LoRASyncError, NotFound, TooBusy, Unauthorized
 from ..messages import IntakeRequest, WorkerReply
-from ..staging import BodyLimits, StagedBody, StagingArea
+from ..staging import StagedBody, StagingArea
 from ..transports import TRANSPORTS
 from ..transports.base import RawBody, ServerContext, Staged, Transport
 from . import metrics
 from .bridge import EngineBridge
-from .socket_body import check as check_socket_body
+from .settings import Settings
 
 # How often a drained version asks the engine whether a request still uses it.
 DRAIN_POLL_S = 0.05
@@ -60,77 +58,6 @@ class NameLocks:
 
     def __len__(self) -> int:
         return len(self._held)
-
-
-@dataclass
-class Settings:
-    """Operator settings (environment variables, read once at start-up; see README)."""
-    max_body_bytes: int = 2 * 1024 ** 3
-    # Newest versions kept servable per name. Two lets rollouts that started on the previous
-    # version finish on it while the new one takes the alias (one-step off-policy).
-    keep_versions: int = 2
-    api_key: str | None = None
-    engine_has_key: bool = False     # the engine guards generation with its own key
-    generation_keys: tuple = ()      # the engine's keys (for routes its middleware skips)
-    max_names: int = 64
-    max_staging_bytes: int = 4 * 1024 ** 3
-    body_idle_s: float = 10.0
-    min_body_rate: float = 1 << 20   # bytes/s
-    max_request_bytes: int = 32 * 1024 ** 2
-    allowed_trainers: tuple = ("127.0.0.0/8", "::1/128")
-    max_groups: int = 8
-    lease_ttl_s: float = 30.0        # an shm lease not committed by then is freed
-    socket_body: bool = True         # read pushed bodies from the socket (socket_body.py)
-
-    @classmethod
-    def from_env(cls, engine_has_key: bool = False,
-                 engine_admin_key: str | None = None) -> "Settings":
-        """`engine_admin_key`: the engine's own admin key, which is then ours too (SGLang's
-        --admin-api-key; it must equal LORA_SYNC_API_KEY when both are set)."""
-        def num(var, default, kind=float, lo=0):
-            raw = os.environ.get(var)
-            try:
-                value = kind(raw) if raw not in (None, "") else default
-            except ValueError:
-                value = None
-            if value is None or not math.isfinite(value) or value < lo:
-                raise RuntimeError(f"lora-sync setting {var}={raw!r} must be a number >= {lo}")
-            return value
-        mb = 2 ** 20
-        socket_body = os.environ.get("LORA_SYNC_SOCKET_BODY") or "1"
-        if socket_body not in ("0", "1"):
-            raise RuntimeError(f"lora-sync setting LORA_SYNC_SOCKET_BODY={socket_body!r} "
-                               "must be 0 or 1")
-        socket_body = socket_body == "1"
-        if socket_body:
-            check_socket_body()  # fails at start-up on a uvicorn we did not check
-        trainers = os.environ.get("LORA_SYNC_ALLOWED_TRAINERS")
-        allowed = tuple(t.strip() for t in trainers.split(",") if t.strip()) if trainers \
-            else cls.allowed_trainers
-        for net in allowed:
-            try:
-                ipaddress.ip_network(net, strict=False)
-            except ValueError:
-                raise RuntimeError(f"LORA_SYNC_ALLOWED_TRAINERS entry {net!r} is not an "
-                                   "address or network") from None
-        return cls(
-            max_body_bytes=int(num("LORA_SYNC_MAX_BODY_MB", 2048) * mb),
-            keep_versions=int(num("LORA_SYNC_KEEP_VERSIONS", cls.keep_versions, int, 1)),
-            api_key=os.environ.get("LORA_SYNC_API_KEY") or engine_admin_key,
-            engine_has_key=engine_has_key,
-            max_names=int(num("LORA_SYNC_MAX_NAMES", cls.max_names, int, 1)),
-            max_staging_bytes=int(num("LORA_SYNC_MAX_STAGING_MB", 4096) * mb),
-            body_idle_s=num("LORA_SYNC_BODY_IDLE_S", cls.body_idle_s),
-            min_body_rate=num("LORA_SYNC_MIN_BODY_MBPS", 1.0) * mb,
-            max_request_bytes=int(num("LORA_SYNC_MAX_REQUEST_MB", 32) * mb),
-            allowed_trainers=allowed,
-            lease_ttl_s=num("LORA_SYNC_LEASE_TTL_S", cls.lease_ttl_s),
-            socket_body=socket_body)
-
-    @property
-    def body_limits(self) -> BodyLimits:
-        return BodyLimits(self.max_body_bytes, self.max_staging_bytes, self.body_idle_s,
-                          self.min_body_rate)
 
 
 @dataclass
@@ -187,7 +114,7 @@ class AdapterService:
         self.records: dict[str, AdapterRecord] = {}     # served name -> record
         self._locks = NameLocks()
         self._spec: ModelSpec | None = None
-        self.staging = StagingArea(map_kept=self.settings.socket_body)
+        self.staging = StagingArea(root=self.settings.shm_dir, map_kept=self.settings.socket_body)
         self.workers = Workers(bridge)
         # Per transport, what it may use: its own state between requests (shm: the open
         # leases; broadcast: the groups) and what the service lends it.
@@ -305,7 +232,8 @@ class AdapterService:
             t1 = time.perf_counter()
             try:
                 served = naming.versioned(name, version)
-                intake = staged.intake(transport, adapter_id, cfg)
+                intake = staged.intake(transport, adapter_id, cfg,
+                                       self.settings.check_finite)
                 replies = await self.workers.intake(intake, staged.background_s)
                 slowest = max(replies, key=lambda r: r.ms)
                 worker_ms = slowest.ms
@@ -430,8 +358,8 @@ class AdapterService:
         retired otherwise (its name retired, its last request ended) does not wait.
         Freeing takes the engine's own thread: SGLang zeroes the version's memory-pool slot
         (70 MB at rank 64), and freed at once it ran into the first request on the new
-        version (5 ms more than after a disk load, whose old version a trainer unloads
-        after)."""
+        version, which then came slower than after a disk load (whose old version a trainer
+        unloads after)."""
         wake = asyncio.Event()
         self._deferred.add(wake)
         try:
@@ -534,8 +462,7 @@ class AdapterService:
         spec = await self.model_spec()
         status = await self.workers.status()
         return {"instance_id": self.instance_id, "workers": len(status),
-                "worker_status": status, "max_lora_rank": spec.max_rank,
-                "linear_modules": {k: list(v) for k, v in spec.linear.items()},
+                "worker_status": status, **spec.info(),
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
                 "max_names": self.settings.max_names,

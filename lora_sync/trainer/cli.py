@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .. import http, naming
 from ..transports import TRANSPORTS
 from .client import LoRASyncClient
+from ..engines import ENGINES
 from ..errors import LoRASyncError
 from ..transports.base import Server
 
@@ -30,8 +31,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def detect_engine(url: str, headers: dict, timeout: float) -> str:
-    """vLLM mounts our routes under /v1, SGLang at the root: whichever answers."""
-    for engine in ("vllm", "sglang"):
+    """Each engine mounts our routes in its own place: the one where they answer."""
+    for engine in ENGINES:
         status, _, _ = http.request("GET", Server(url, engine).route("lora_sync_info"),
                                     headers=headers, timeout=timeout)
         if status != 404:
@@ -188,7 +189,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", action="append", metavar="URL",
                    help="a server's base URL, e.g. http://127.0.0.1:8000 (repeat for several; "
                         "default: LORA_SYNC_SERVERS, URLs separated by commas and/or spaces)")
-    p.add_argument("--engine", choices=("auto", "vllm", "sglang"), default="auto")
+    p.add_argument("--engine", choices=("auto", *ENGINES), default="auto")
     p.add_argument("--api-key", help="the servers' LORA_SYNC_API_KEY (default: that variable)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a command waits for the servers, each call as a whole")

@@ -11,6 +11,7 @@ from .. import http, naming, replies
 from . import sharded
 from ..adapter import LoRAAdapter
 from ..collective import free_port
+from ..engines import engine
 from ..errors import LoRASyncError, PushFailed, TooBusy
 from .fleet import FleetMemory, Newest
 from ..transports import TRANSPORTS, broadcast
@@ -19,8 +20,6 @@ from ..transports.ready_lease import ReadyLeases
 from ..transports.shm import LeaseRefused
 
 # The engines' own routes for adapters on disk (the baseline lora-sync replaces).
-NATIVE_ROUTES = {"vllm": {"load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter"},
-                 "sglang": {"load": "/load_lora_adapter", "unload": "/unload_lora_adapter"}}
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 ON_ERROR = ("raise", "skip")
 # How long past a call's deadline a server's thread may take to report before the call
@@ -228,8 +227,8 @@ class LoRASyncClient:
 
         def once_sent():
             # The copy kept for a resync is made once every body has left, while the
-            # servers build: beside the sending it took a core from it (2 cores, tensors
-            # at rank 64: the push 6.7 ms slower).
+            # servers build: beside the sending it took a core from it (on a host with few
+            # cores that made the whole push measurably slower).
             bodies.wait(deadline)
             alongside()
         results = self._each_server(push_one, version, deadline,
@@ -391,7 +390,8 @@ class LoRASyncClient:
     def _native(self, action: str, body: dict) -> list[float]:
         def one(s: Server):
             t0 = time.perf_counter()
-            http.call("POST", f"{s.url.rstrip('/')}{NATIVE_ROUTES[s.engine][action]}",
+            route = getattr(engine(s.engine), f"native_{action}")
+            http.call("POST", f"{s.url.rstrip('/')}{route}",
                       timeout=self.timeout, json_body=body, headers=self.headers,
                       json_reply=False)  # vLLM answers in text
             return time.perf_counter() - t0

@@ -57,7 +57,7 @@ class FleetMemory:
     # touched costs a fraction of fresh pages. Nobody else reads them (see `newest_copies`).
     # Two at most: the pair a snapshot transport alternates between. After an shm push (no
     # copy: the newest is the sealed lease) both are spares; dropping one there, to take a
-    # fresh one at the next snapshot, cost 4-10 ms of that push (rank 64, 2 cores).
+    # fresh one at the next snapshot, made that push pay for fresh pages again.
     _spares: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

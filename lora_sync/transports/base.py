@@ -18,14 +18,39 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from .. import naming
+from ..engines import engine as engine_named
+from ..errors import BadRequest
 from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, parse_config
 from ..http import check_url
 from ..messages import IntakeRequest
 from ..replies import PushReply
 from ..wire import TensorSpec
 
-# The only engine difference the client knows: where the routes live.
-ROUTE_PREFIX = {"vllm": "/v1", "sglang": ""}
+# -- the protocol's version (docs/wire_format.md, "Protocol version") --------------------
+# Every byte a sender sends, on every transport, is what version PROTOCOL_VERSION says. A
+# client sends it in the PROTOCOL_HEADER of every POST; the routes refuse another version
+# (400 protocol_mismatch, naming both) before anything else happens, a collective call above
+# all. Absent, a request is taken as this version (clients older than the header).
+PROTOCOL_VERSION = 1
+PROTOCOL_HEADER = "X-LoRA-Sync-Protocol"
+
+
+def with_protocol(headers: dict) -> dict:
+    """`headers` plus the protocol version this client speaks."""
+    return {**headers, PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
+
+
+def check_protocol(value: str | None) -> None:
+    """The route layer's check of a request's PROTOCOL_HEADER (None: absent, taken as ours)."""
+    if value is None:
+        return
+    text = value.strip()
+    if text.isascii() and text.isdigit() and int(text) == PROTOCOL_VERSION:
+        return
+    said = f"protocol {text}" if text.isascii() and text.isdigit() and len(text) <= 9 \
+        else f"{PROTOCOL_HEADER} {text[:20]!r}, not a protocol version"
+    raise BadRequest(f"this server speaks lora-sync protocol {PROTOCOL_VERSION}, the request "
+                     f"is {said} (docs/wire_format.md)", code="protocol_mismatch")
 
 
 @dataclass(frozen=True)
@@ -35,12 +60,11 @@ class Server:
 
     def __post_init__(self):
         check_url(self.url)  # ValueError: a bad URL is the caller's, not a server's
-        if self.engine not in ROUTE_PREFIX:
-            raise ValueError(f"engine must be one of {tuple(ROUTE_PREFIX)}, "
-                             f"not {self.engine!r}")
+        engine_named(self.engine)  # ValueError: not an engine we know
 
     def route(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}{ROUTE_PREFIX[self.engine]}/{name}"
+        """The URL of one of lora-sync's routes on this server (the engine says where)."""
+        return engine_named(self.engine).route(self.url, name)
 
 
 @dataclass(frozen=True)
@@ -166,8 +190,10 @@ class Staged:
     on_failure: Callable | None = None  # (LoRASyncError) -> None, after a failed install
     on_success: Callable | None = None  # () -> None, once the version is installed
 
-    def intake(self, transport: str, adapter_id: int, config: dict) -> IntakeRequest:
-        return IntakeRequest(transport, adapter_id, config, self.checksum, self.intake_args)
+    def intake(self, transport: str, adapter_id: int, config: dict,
+               check_finite: bool) -> IntakeRequest:
+        return IntakeRequest(transport, adapter_id, config, self.checksum, self.intake_args,
+                             check_finite)
 
     def release(self) -> None:
         if self.hold is not None:

@@ -33,12 +33,12 @@ import torch
 
 from .. import collective, http, naming
 from ..adapter import LoRAAdapter, ModelSpec, check_adapter, parse_config
-from ..errors import (BadAdapter, Forbidden, LoRASyncError, PayloadTooLarge, TooBusy,
+from ..errors import (BadAdapter, BadRequest, Forbidden, LoRASyncError, PayloadTooLarge, TooBusy,
                       TransferFailed)
 from ..fields import field as json_field
 from ..wire import MAX_TENSORS, TensorSpec
 from .base import PackedCopy, PushResult, Received, Route, SendContext, Server, \
-    ServerContext, Staged, Transport
+    ServerContext, Staged, Transport, with_protocol
 
 INIT_ROUTE = "init_lora_update_group"
 LOAD_ROUTE = "load_lora_adapter_from_distributed"
@@ -65,7 +65,7 @@ class TrainerGroup:
     declared: dict = field(default_factory=dict)
     # The last adapter layout checked against every server: (specs, config as JSON text, its
     # Transfer). A trainer pushes one layout every step; checking and planning it again
-    # took ~2 ms of each push.
+    # was a noticeable part of each push.
     checked: tuple | None = None
 
     def plan(self, adapter: LoRAAdapter) -> tuple[list[TensorSpec], collective.Transfer]:
@@ -91,6 +91,10 @@ def init_group(servers: list, headers: dict, infos: list, master_address: str,
     server i's workers take ranks offset_i .. offset_i + workers_i - 1, offsets following
     the server order. A server that refuses to join fails the call at once. `streams`:
     gloo connections per pair of ranks (collective.DEFAULT_STREAMS)."""
+    headers = with_protocol(headers)
+    # Each server's model and what its engine covers, read before any group exists: every
+    # push is checked against them as that server will check it (TrainerGroup.plan).
+    specs = [ModelSpec.from_info(i) for i in infos]
     offsets, world = [], 1
     for info in infos:
         offsets.append(world)
@@ -126,12 +130,12 @@ def init_group(servers: list, headers: dict, infos: list, master_address: str,
     device = "cuda" if backend == "nccl" else "cpu"
     group = TrainerGroup(group_name, pg, world, backend, device, bucket_bytes, timeout_s,
                          {s.url: r.get("group_token") for s, r in zip(servers, replies)})
-    group.specs = [ModelSpec({k: tuple(v) for k, v in i["linear_modules"].items()},
-                             int(i["max_lora_rank"])) for i in infos]
+    group.specs = specs
     return group
 
 
 def destroy_group(servers: list, headers: dict, group: TrainerGroup, timeout: float) -> None:
+    headers = with_protocol(headers)
     with ThreadPoolExecutor(len(servers)) as pool:
         for s in servers:
             pool.submit(http.call, "POST", s.route(DESTROY_ROUTE), headers=headers,
@@ -203,7 +207,7 @@ class InitGroupRequest:
         where = INIT_ROUTE
         backend = json_field(body, "backend", str, "gloo", max_len=8, where=where)
         if backend not in ("gloo", "nccl"):
-            raise BadAdapter(f"backend must be 'gloo' or 'nccl', got {backend!r}",
+            raise BadRequest(f"backend must be 'gloo' or 'nccl', got {backend!r}",
                              code="bad_request")
         return cls(
             master_address=json_field(body, "master_address", str, max_len=253, where=where),
@@ -238,7 +242,7 @@ class DistributedLoadRequest:
         raw_specs = json_field(body, "tensors", list, None, max_len=MAX_TENSORS, where=where)
         layout = json_field(body, "layout", int, None, lo=0, hi=2 ** 64 - 1, where=where)
         if raw_specs is None and layout is None:
-            raise BadAdapter("'tensors' is required (or 'layout': the digest of tensors this "
+            raise BadRequest("'tensors' is required (or 'layout': the digest of tensors this "
                              "group declared before)", code="bad_request")
         specs = None if raw_specs is None else [TensorSpec.from_json(s) for s in raw_specs]
         if specs is not None and len({s.name for s in specs}) != len(specs):
@@ -251,7 +255,7 @@ class DistributedLoadRequest:
                              code="bad_config")
         checksum = json_field(body, "checksum", str, None, max_len=80, where=where)
         if checksum is not None and not _CHECKSUM.fullmatch(checksum):
-            raise BadAdapter("checksum must be 'sha256:' and 64 lowercase hex digits",
+            raise BadRequest("checksum must be 'sha256:' and 64 lowercase hex digits",
                              code="bad_request")
         return cls(
             lora_name=naming.check_name(body.get("lora_name")),
@@ -300,11 +304,11 @@ class Groups:
         if req.specs is not None:
             layout = Layout(collective.layout_digest(req.specs), req.specs)
             if req.layout not in (None, layout.digest):
-                raise BadAdapter("'layout' is not the digest of 'tensors'", code="bad_request")
+                raise BadRequest("'layout' is not the digest of 'tensors'", code="bad_request")
             return layout
         held = self.layouts.get(req.group_name)
         if held is None or held.digest != req.layout:
-            raise BadAdapter(f"group {req.group_name!r} holds no layout {req.layout}: send "
+            raise BadRequest(f"group {req.group_name!r} holds no layout {req.layout}: send "
                              "'tensors'", code="layout_unknown")
         return held
 
@@ -312,7 +316,7 @@ class Groups:
         """Only the client that created a group may load on it or destroy it."""
         owner = self.tokens.get(group_name)
         if owner is None:
-            raise BadAdapter(f"no LoRA update group {group_name!r} on this server; call "
+            raise BadRequest(f"no LoRA update group {group_name!r} on this server; call "
                              "init_lora_update_group first", code="no_group")
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(),
                                                                  owner.encode()):
@@ -328,7 +332,7 @@ async def allowed_trainer(host: str, allowed: tuple) -> str:
         infos = await asyncio.wait_for(
             asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), 5)
     except (OSError, asyncio.TimeoutError, UnicodeError) as e:
-        raise BadAdapter(f"master_address {host!r} does not resolve ({e})",
+        raise BadRequest(f"master_address {host!r} does not resolve ({e})",
                          code="bad_request") from None
     addresses = {info[4][0] for info in infos}
     nets = [ipaddress.ip_network(n, strict=False) for n in allowed]
@@ -407,9 +411,9 @@ class BroadcastTransport(Transport):
         body = {**out.body, "group_token": out.group.tokens[server.url]}
         if out.group.declared.get(server.url) == body["layout"]:
             del body["tensors"]  # the server holds this layout for the group: named only
-        reply, _ = http.call("POST", server.route(LOAD_ROUTE), headers=ctx.headers,
-                             json_body=body, timeout=out.group.timeout_s + 60,
-                             on_sent=out.start)
+        reply, _ = http.call("POST", server.route(LOAD_ROUTE),
+                             headers=with_protocol(ctx.headers), json_body=body,
+                             timeout=out.group.timeout_s + 60, on_sent=out.start)
         return PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                      ctx.version)
 
@@ -444,7 +448,7 @@ class BroadcastTransport(Transport):
         status = await ctx.workers.status()
         workers = len(status)
         if req.rank_offset + workers > req.world_size:
-            raise BadAdapter(f"ranks {req.rank_offset}..{req.rank_offset + workers - 1} of "
+            raise BadRequest(f"ranks {req.rank_offset}..{req.rank_offset + workers - 1} of "
                              f"this server's {workers} worker(s) do not fit world_size "
                              f"{req.world_size} (rank 0 is the trainer)", code="bad_request")
         if len(status[0].get("groups", [])) >= ctx.limits.max_groups:
@@ -523,9 +527,14 @@ class BroadcastTransport(Transport):
             buffers = [pool.take_buffer(torch.uint8, b.frame_bytes, device)
                        for b in transfer.buckets]
             tensors = collective.receive_transfer(pg, transfer, buffers)
+            if len(transfer.buckets) > 1 and any(b.dtype != transfer.buckets[0].dtype
+                                                 for b in transfer.buckets):
+                # buckets group the tensors by dtype: back to the declared order, the order
+                # the checksum is over (docs/wire_format.md)
+                tensors = {s.name: tensors[s.name] for s in layout.specs}
         except collective.FrameMismatch as e:  # the trainer is out of step: the group is too
             pool.destroy_group(group_name)
-            raise BadAdapter(f"{e}; the group was dropped, create a new one",
+            raise BadRequest(f"{e}; the group was dropped, create a new one",
                              code="transfer_mismatch") from e
         except Exception as e:  # a dead or slow trainer: the group is no longer usable
             pool.destroy_group(group_name)

@@ -1,18 +1,20 @@
 """A GPU trainer's tensors into host memory (an shm lease's mapping), device to host.
 
-What costs is not the bytes but the number of copies and where they land. On an H100
-(PCIe 5 x16) at rank 64 (70 MB, 336 tensors), a write into a ready lease, unmap included
-(scripts/gpu_check.py, 30 leases, medians; docs/protocol.md has the table):
+What costs is not the bytes but the number of copies and where they land. Ways to write
+a rank-64 adapter (70 MB, 336 tensors) into a ready lease, unmap included, slowest first
+(scripts/gpu_check.py measures them; docs/protocol.md has the table):
 
-- one synchronous copy per tensor (torch's `copy_`): 23.9 ms;
+- one synchronous copy per tensor (torch's `copy_`): a transfer and a wait per tensor;
 - the tensors packed on the GPU into buckets of at most BUCKET_BYTES, one queued copy per
-  bucket, into plain (pageable) memory, which the driver stages: 18.1 ms;
-- the same into a mapping registered with CUDA (cudaHostRegister): 11.9 ms, of which the
-  copies are 2-4, releasing the registration 1.7 and the unmap 5.5.
+  bucket, into plain (pageable) memory, which the driver stages through a buffer of its
+  own;
+- the same into a mapping registered with CUDA (cudaHostRegister): about half the time of
+  the first, and the copies are the smaller part of it, behind the unmap and releasing the
+  registration.
 
-Registering 70 MB costs 4.7 ms, and every push gets a new memfd: registered on the push's
-path it would cost about what it saves. So only a lease readied ahead (ready_lease.py) is
-registered, there, off the path.
+Registering 70 MB costs about what it then saves, and every push gets a new memfd:
+registered on the push's path it would gain nothing. So only a lease readied ahead
+(ready_lease.py) is registered, there, off the path.
 
 The copies run on each device's current stream, after the work the trainer queued there."""
 from __future__ import annotations
@@ -25,8 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 # A bucket is a transient GPU buffer: bounded, so that a large adapter needs no second copy
-# of itself on the GPU (into pageable memory, copy only: 8.7 ms for 70 MB in 32 MB buckets,
-# 8.0 in one, 10.0 in 8 MB ones; into registered memory 2.0 ms for all three).
+# of itself on the GPU. Into pageable memory, 70 MB in 32 MB buckets copies nearly as fast
+# as in one (in 8 MB ones, measurably slower); into registered memory the size is moot.
 BUCKET_BYTES = 32 << 20
 # cudaHostRegisterPortable: pinned for every device, not only the registering thread's
 # current one (a trainer rank's tensors may be on cuda:3; the registering thread's is 0).

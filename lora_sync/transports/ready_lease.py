@@ -2,7 +2,7 @@
 and mapped while the trainer computes its next step.
 
 Writing 70 MB into a lease just granted costs a round trip for the grant and a page-table
-entry per 4 KiB page (20 ms here), against 5 ms for the copy itself into memory already
+entry per 4 KiB page, several times what the copy itself costs into memory already
 mapped. So after each push the client asks the server for the next lease of that size,
 maps it with its page tables filled (on a thread, off the push's path) and renews it at half
 its time, for steps of any length; the next push of that name only commits, copies and
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0
 # The readying thread waits this long first, so that the push that asked for it returns
 # before it: a thread that starts at once can hold the GIL from the returning push for a
-# switch interval (5 ms).
+# whole switch interval (`sys.getswitchinterval()`).
 START_DELAY_S = 0.02
 
 
@@ -86,8 +86,8 @@ class ReadyLeases:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-sync-ready-lease")
         # Readying runs while the server serves the version just pushed: at full priority
-        # it made vLLM's first completion 21 ms slower than after a disk load, 2 ms niced
-        # (12 pairs, paired medians; the push itself unchanged).
+        # it made vLLM's first completion on it clearly slower than after a disk load;
+        # niced, about as fast (the push itself unchanged).
         self._priority = Yielding()
         self._closed = False
 

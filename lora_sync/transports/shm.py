@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import http, replies, wire
-from ..errors import BadAdapter, Conflict, Forbidden, LoRASyncError, NotFound, TooBusy
+from ..errors import BadAdapter, BadRequest, Conflict, Forbidden, LoRASyncError, NotFound, TooBusy
 from ..fields import field
 from ..staging import StagedBody
 from .base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
@@ -119,7 +119,7 @@ class CommitRequest:
     def from_json(cls, body: dict) -> "CommitRequest":
         lease_id = field(body, "lease_id", str, max_len=64, where="lease commit")
         if not _LEASE_ID.fullmatch(lease_id):
-            raise BadAdapter("lease_id must be the 32 hex digits the lease reply gave",
+            raise BadRequest("lease_id must be the 32 hex digits the lease reply gave",
                              code="bad_request")
         return cls(lease_id, field(body, "token", str, max_len=128, where="lease commit"))
 
@@ -184,7 +184,7 @@ class LeaseTable:
             if e.errno == errno.EBUSY:  # a writable shared mapping still exists
                 raise Conflict("the lease is still mapped writable by some process; unmap "
                                "it before committing", code="lease_mapped") from None
-            raise BadAdapter(f"could not seal the lease ({e})", code="bad_lease") from None
+            raise BadRequest(f"could not seal the lease ({e})", code="bad_lease") from None
         return SealedBody(held.fd, held.nbytes), header
 
     def cancel(self, req: CommitRequest) -> None:
@@ -232,10 +232,10 @@ class LeaseTable:
 
 
 # How long a commit waits for the trainer's writable mapping to go: the trainer commits
-# first and copies meanwhile (`write_then_unmap`), so the wait grows with the lease (70 MB
-# copy in 5-6 ms here, 18 ms device to host; the allowance is 1 s per 256 MiB more). A waiting
-# commit holds one thread of the event loop's default pool; leases (so commits) are bounded
-# in number (`LeaseTable.max_pending`).
+# first and copies meanwhile (`write_then_unmap`), so the wait grows with the lease (the
+# allowance, 1 s per 256 MiB more, is far above what a copy from host or device takes). A
+# waiting commit holds one thread of the event loop's default pool; leases (so commits) are
+# bounded in number (`LeaseTable.max_pending`).
 SEAL_WAIT_S = 1.0
 SEAL_WAIT_BYTES_PER_S = 256 << 20  # each 256 MiB of lease: one second more
 
@@ -248,7 +248,8 @@ def seal_wait_s(nbytes: int) -> float:
 def seal_and_read_header(fd: int, nbytes: int) -> wire.Header:
     """Seals a lease's memfd and returns its checked header. The trainer commits before its
     copy into the lease (`ShmTransport._commit`): while its writable mapping exists (EBUSY)
-    the seal is retried every 0.2 ms for at most `seal_wait_s`, then the EBUSY stands. A
+    the seal is retried at short intervals (a small fraction of the copy it waits for) for
+    at most `seal_wait_s`, then the EBUSY stands. A
     header readable meanwhile is parsed ahead (its length is the trainer's last store, so
     that is while the unmap runs); it is used only if the sealed file holds those very
     header bytes, so what is served is what was sealed."""
@@ -362,8 +363,8 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
     returns once every byte is in, with the unmap (and the release of its CUDA
     registration, `pin`) still running on the client's unmap thread: the returned future is
     done once the mapping is gone. The server's seal waits for the unmap
-    (`seal_and_read_header`): off the push's path (70 MB: 4-5 ms in 4 KiB pages, 0.3 ms in
-    the huge pages of a lease readied ahead).
+    (`seal_and_read_header`): off the push's path (in the huge pages of a lease readied
+    ahead, over an order of magnitude cheaper than in 4 KiB pages).
 
     The file's first 8 bytes, its header's length, are stored last. Until then the lease
     starts with the server's random probe and zeros, which no parse takes for a header: a
@@ -373,8 +374,8 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
 
     Host tensors go in with plain memcpy (ctypes.memmove, which lets go of the GIL), not
     torch's copy: on a thread other than the trainer's, torch starts a second OpenMP team
-    whose threads then spin against the trainer's own (on 2 cores a 70 MB copy took 13-20 ms
-    that way, 8-9 ms as a memcpy). GPU tensors go device to host in a few packed copies
+    whose threads then spin against the trainer's own (on a host with few cores, up to
+    twice as slow as a memcpy). GPU tensors go device to host in a few packed copies
     (device_copy.py)."""
     try:
         lead = _header_lead(chunks)
@@ -431,8 +432,8 @@ _UNMAPPER = ThreadPoolExecutor(1, thread_name_prefix="lora-sync-unmap")
 def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
     """Every (destination, source, bytes) copy, in two halves at once: a thread of the
     client's copies the first while this one copies the rest. The trainer waits for the push
-    meanwhile, so both cores are free (70 MB, copy and unmap: 13.6 ms on one thread, 11.6 on
-    two, on this 2-core VM)."""
+    meanwhile, so a second core is free for it: copy and unmap finish sooner than on one
+    thread, even on a host of two cores."""
     total = sum(n for _, _, n in copies)
     cut, done = 0, 0
     while cut < len(copies) and done < total // 2:
@@ -650,7 +651,7 @@ class ShmTransport(Transport):
 
     # server side
     def new_state(self, limits) -> LeaseTable:
-        return LeaseTable(limits.lease_ttl_s)
+        return LeaseTable(limits.lease_ttl_s, limits.max_leases)
 
     def held_bytes(self, state: LeaseTable) -> int:
         return state.held_bytes
@@ -662,8 +663,8 @@ class ShmTransport(Transport):
         """A lease's pages come from the retired versions' memory where they can: a push's
         own lease frees them now, as the push would at its commit; a lease readied ahead
         waits for them to go as they would, at the next pause in serving. Fresh pages cost
-        a VM's host 150 ms of work for 70 MB, which ran beside the first requests on the
-        version just pushed (SGLang's first completion 17 ms slower); recycled ones, 5 ms."""
+        a VM's host many times the work of recycled ones, and that work ran beside the first
+        requests on the version just pushed (SGLang's first completion measurably slower)."""
         await ctx.retired_freed(hasten=not req.ahead)
         budget = ctx.limits.max_staging_bytes - ctx.staging.inflight
         return ctx.state.grant(req.nbytes, budget, req.client).to_json()
@@ -698,7 +699,7 @@ class ShmTransport(Transport):
             if sealed is not None:
                 header, tensors, buf = sealed
                 return Received(tensors, header.total_bytes - header.data_start, [buf])
-        raise BadAdapter("the committed lease is not sealed", code="bad_lease")
+        raise BadRequest("the committed lease is not sealed", code="bad_lease")
 
 
 def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor] | None:
@@ -725,8 +726,8 @@ def read_sealed(path: str, take_buffer) -> tuple[wire.Header, dict, torch.Tensor
 def map_sealed(path: str) -> tuple[wire.Header, dict] | None:
     """A sealed body mapped shared and read-only: no copy. Its page tables fill as the
     engine first reads each part (a read fault maps 16 pages at once). Filling them up
-    front cost the same in all (vLLM, rank 64: intake + build + register 40.8 ms either
-    way, 10 pushes each) but held the intake's reply; an engine that first reads at a
+    front cost the same in all (vLLM, rank 64: intake, build and register took as long
+    either way) but held the intake's reply; an engine that first reads at a
     request has them filled on a thread (`fill_page_tables`). Returns None when `path` is
     not sealed."""
     with open(path, "rb") as f:
