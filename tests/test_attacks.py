@@ -1,4 +1,4 @@
-"""The security review's attacks, replayed against real servers (docs/hostile_inputs.md).
+"""The security review's attacks, replayed against real servers (docs/security.md).
 
 Each case that killed a server or poisoned other tenants' output is a regression test here,
 on every engine where the route exists. After each attack the server must be alive and the
@@ -75,7 +75,7 @@ def shapes(engine: str, name: str, url: str):
 
 
 # lora-sync's own rules (fields, limits, names, groups) are checked with the fake engine in
-# test_service.py. These two involve the engine's own HTTP server and worker threads: one
+# test_service_*.py. These two involve the engine's own HTTP server and worker threads: one
 # real engine proves them.
 ONE_ENGINE = pytest.mark.parametrize("server", ["vllm"], indirect=True)
 
@@ -244,7 +244,7 @@ def test_key_schemes_on_vllm(model_dir, make_adapter):
     """Review items 4 and 5, on a server of its own: with vLLM's --api-key G and
     LORA_SYNC_API_KEY K, K works on every route (it used to be locked out) and G only
     generates. (With G alone the admin routes are closed: lora-sync's own rule, checked with
-    the fake engine in test_service.py::test_key_schemes_like_vllm.)"""
+    the fake engine in test_service_access.py::test_key_schemes_like_vllm.)"""
     from testbed.processes import vllm_server
     from lora_sync.errors import Unauthorized
     gen, admin = "generation-key", "admin-key"

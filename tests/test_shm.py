@@ -1,7 +1,7 @@
 """The same-host transport (shm) on real vLLM and SGLang CPU servers: token identity with the
 disk load, automatic selection, and the HTTP fallback from another PID namespace. The lease
 rules (seal, tokens, expiry, budgets, abuse) are checked with the fake engine in
-test_service.py."""
+test_service_shm.py."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """The tensor route on real vLLM and SGLang CPU servers: token identity with the engine's own
 disk load, and LRU eviction. Its rules (bodies, limits, versions) are checked with the fake
-engine in test_service.py."""
+engine in test_service_pushes.py and test_service_versions.py."""
 import time
 
 from lora_sync import LoRASyncClient, http
