@@ -1,7 +1,7 @@
 """GPU trainers: how fast does a rank-64 adapter get from GPU tensors into an shm lease?
 
 Needs only torch with CUDA (no vLLM, SGLang or lora-sync server; lora_sync is imported from
-this checkout). A lease is a memfd the trainer maps and writes (lora_sync/transports/shm.py);
+this checkout). A lease is a memfd the trainer maps and writes (lora_sync/transports/shm/trainer.py);
 from a CUDA tensor that write is a device-to-host copy. Into pageable memory the driver
 stages it through its own pinned buffer; registering the mapping with CUDA
 (cudaHostRegister) makes it pinned, at a price per lease (every push gets a new memfd).

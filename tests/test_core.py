@@ -118,7 +118,7 @@ def test_a_large_copy_into_a_lease_is_split_across_two_threads_exactly():
     tensors = {f"t{i}": torch.randn(n) for i, n in enumerate([1, 700_000, 3, 1_500_000, 5])}
     chunks = wire.layout(tensors, {"k": "v"})
     nbytes = shm.total_bytes(chunks)
-    assert nbytes > shm._SPLIT_BYTES
+    assert nbytes > shm.trainer._SPLIT_BYTES
     fd = os.memfd_create("lora-sync-test")
     try:
         os.ftruncate(fd, nbytes)
@@ -148,7 +148,7 @@ def test_a_header_parsed_while_the_seal_waits_is_used_only_if_the_sealed_bytes_m
         calls.append(raw)
         parsed.set()
         return parse(raw, n)
-    monkeypatch.setattr(shm.wire, "parse_header", spy)
+    monkeypatch.setattr(wire, "parse_header", spy)
     try:
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         mapping[:] = wire.encode_bytes(tensors, {"name": "aaaa"})
@@ -186,7 +186,7 @@ def test_the_header_a_commit_gets_is_always_the_sealed_ones(writes):
     def spy(raw, n=None):
         parsed.set()
         return parse(raw, n)
-    shm.wire.parse_header = spy
+    wire.parse_header = spy
     try:
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         mapping[:] = body
@@ -200,7 +200,7 @@ def test_the_header_a_commit_gets_is_always_the_sealed_ones(writes):
         assert shm.is_sealed(fd)
         assert outcome == _outcome(lambda: parse(os.pread(fd, nbytes, 0), nbytes))
     finally:
-        shm.wire.parse_header = parse
+        wire.parse_header = parse
         os.close(fd)
 
 

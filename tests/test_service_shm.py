@@ -98,7 +98,7 @@ def test_a_commit_waits_for_the_trainers_unmap_then_seals_what_is_there(fake_cli
     held = mmap.mmap(fd, granted.nbytes)
     os.close(fd)
     gate = threading.Event()  # the unmap waits behind it, on the client's unmap thread
-    blocker = shm._UNMAPPER.submit(gate.wait, 30)
+    blocker = shm.trainer._UNMAPPER.submit(gate.wait, 30)
     threading.Timer(0.3, gate.set).start()
     try:
         unmapping = shm.write_then_unmap(held, parts)
@@ -137,7 +137,7 @@ def test_a_commit_ahead_of_its_copy_serves_only_a_whole_file(fake_client, make_a
     before, held = greedy(c, "ahead"), versions_of(c, "ahead")
     new = make_adapter(seed=seed + 1)
     stores, refusals = [0], []
-    real_memmove, real_post = shm._memmove, shm._post
+    real_memmove, real_post = shm.trainer._memmove, shm.transport._post
 
     def dies_midway(copies):
         for copy in copies:
@@ -153,7 +153,8 @@ def test_a_commit_ahead_of_its_copy_serves_only_a_whole_file(fake_client, make_a
             refusals.append((route, on_sent is not None, e.code))
             raise
     whole = copied >= len(new.tensors)
-    with mock.patch.object(shm, "_memmove", dies_midway), mock.patch.object(shm, "_post", post):
+    with mock.patch.object(shm.trainer, "_memmove", dies_midway), \
+            mock.patch.object(shm.transport, "_post", post):
         if whole:
             c.push(new, "ahead", transport="shm")
         else:
