@@ -26,6 +26,8 @@ DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
 # "Parallel streams"). Every member of a group must use the same number.
 DEFAULT_STREAMS = 4
 MAX_STREAMS = 16
+# Every member wraps the trainer's TCP store in this prefix (docs/wire_format.md).
+STORE_PREFIX = "lora-sync"
 
 
 def create_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
@@ -35,7 +37,9 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str 
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
                           wait_for_workers=False)
-    prefixed = dist.PrefixStore(f"lora-sync/{host}:{port}", store)
+    # The same prefix on every member, whatever name each dialled the trainer by (the server's
+    # workers dial the address it resolved `master_address` to).
+    prefixed = dist.PrefixStore(STORE_PREFIX, store)
     if backend == "gloo":
         # gloo runs collective k on connection k mod streams, one thread per connection.
         opts = dist.ProcessGroupGloo._Options()

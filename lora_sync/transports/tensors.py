@@ -7,7 +7,7 @@ import time
 from .. import http
 from ..staging import StagedFile, open_staged
 from .base import PushResult, RawBody, Received, Route, SendContext, Server, ServerContext, \
-    Staged, Transport, staged_file
+    Staged, Transport, staged_file, with_protocol
 
 ROUTE = "load_lora_adapter_from_tensors"
 
@@ -24,7 +24,8 @@ class TensorsTransport(Transport):
         chunks = adapter.encode(ctx.name, ctx.version, with_checksum=ctx.checksum)
         t0 = time.perf_counter()
         body, _ = http.call("POST", server.route(ROUTE), chunks=chunks, timeout=ctx.timeout,
-                            headers={**ctx.headers, "Content-Type": "application/octet-stream"},
+                            headers={**with_protocol(ctx.headers),
+                                     "Content-Type": "application/octet-stream"},
                             on_sent=ctx.body_sent)
         return PushResult.from_reply(server.url, body, time.perf_counter() - t0, ctx.name,
                                      ctx.version)
