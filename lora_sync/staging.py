@@ -88,8 +88,9 @@ class StagingArea:
         # (`recycle`): a body then lands in it straight from the socket.
         self.mapped: dict[str, Future] = {}
         self.inflight = 0  # bytes claimed by bodies being received now
-        # How the bodies staged so far landed: read into a kept mapping, or written.
-        self.landed = {"in_place": 0, "written": 0}
+        # How the bodies staged so far landed: read into a kept mapping, or written; and how
+        # many were read from the socket past uvicorn (socket_body.py).
+        self.landed = {"in_place": 0, "written": 0, "from_socket": 0}
         atexit.register(self.close)
 
     async def receive_body(self, chunks, limits: BodyLimits, content_length: int | None = None,
@@ -110,6 +111,7 @@ class StagingArea:
         path = self.free.pop() if self.free else os.path.join(self.dir, uuid.uuid4().hex)
         mapped = self._mapping_of(path, content_length)
         fd = _open_own(path, os.O_WRONLY)
+        source = chunks  # a socket_body.BodyChunks says whether it took the socket
         n, head, dest = 0, bytearray(), None
         try:
             if mapped is not None and hasattr(chunks, "read_into"):
@@ -145,6 +147,7 @@ class StagingArea:
             os.close(fd)
             self.inflight -= claimed
         self.landed["written" if dest is None else "in_place"] += 1
+        self.landed["from_socket"] += bool(getattr(source, "taken", False))
         return StagedBody(path, n, header)
 
     def _mapping_of(self, path: str, nbytes: int | None) -> mmap.mmap | None:
@@ -205,7 +208,7 @@ async def _paced(chunks, limits: BodyLimits, nbytes: int):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (limits.deadline(nbytes) - time.monotonic())
     try:
-        async with asyncio.timeout(min(loop.time() + limits.idle_s, deadline)) as window:
+        async with asyncio.timeout_at(min(loop.time() + limits.idle_s, deadline)) as window:
             async for chunk in chunks:
                 window.reschedule(min(loop.time() + limits.idle_s, deadline))
                 if chunk:

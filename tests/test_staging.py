@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -278,3 +279,22 @@ def test_a_file_not_kept_is_removed_and_never_given_huge_pages(area):
     assert sorted(area.free) == sorted(s.path for s in staged[:2])
     assert not os.path.exists(staged[2].path)
     assert set(area.huge) == set(area.free)
+
+
+def test_a_body_that_never_sends_a_byte_is_cut_at_the_idle_bound(tmp_path):
+    """The first wait is bounded like every later one (it once read an absolute time as a
+    delay, so a client that sent headers and nothing else held its claim for hours)."""
+
+    async def silent():
+        await asyncio.sleep(3600)
+        yield b""
+    area = StagingArea(spare=0, root=str(tmp_path), map_kept=False)
+    limits = BodyLimits(max_body=1 << 20, max_inflight=1 << 22, idle_s=0.2)
+
+    async def receive():
+        t0 = time.monotonic()
+        with pytest.raises(TimedOut):
+            await asyncio.wait_for(area.receive_body(silent(), limits, 100), 10)
+        return time.monotonic() - t0
+    assert asyncio.run(receive()) < 5
+    assert area.inflight == 0

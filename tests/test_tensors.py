@@ -60,16 +60,18 @@ def test_the_engines_own_unload_frees_the_worker_copy(vllm, make_adapter, workdi
 def test_a_large_body_is_read_from_the_socket(client, make_adapter, workdir):
     """On both engines our route gets uvicorn's own receive (admission is the outermost
     middleware), so a body larger than uvicorn reads ahead (1 MiB here) is read from the
-    socket (server/socket_body.py), which the reply shows by closing the connection; the
-    version serves exactly like the same adapter loaded from disk."""
+    socket (server/socket_body.py), which the server counts; the connection stays open as
+    through uvicorn, and the version serves exactly like the same adapter loaded from disk."""
     adapter = make_adapter(seed=12, rank=64)
     assert adapter.nbytes >= 1 << 20
+    before = client.info()[0]["staged_bodies"]["from_socket"]
     status, raw, headers = http.exchange(
         "POST", client.servers[0].route("load_lora_adapter_from_tensors"),
         chunks=adapter.encode("sock64", 1),
         headers={**AUTH, "Content-Type": "application/octet-stream"})
     assert status == 200, raw[:300]
-    assert {k.lower(): v for k, v in headers.items()}.get("connection") == "close"
+    assert {k.lower(): v for k, v in headers.items()}.get("connection") != "close"
+    assert client.info()[0]["staged_bodies"]["from_socket"] == before + 1
     adapter.save(workdir / "disk-sock64")
     client.load_from_disk(str(workdir / "disk-sock64"), "disk-sock64")
     assert greedy(client, "sock64-v1") == greedy(client, disk_model(client, "disk-sock64"))
