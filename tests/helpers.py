@@ -35,6 +35,15 @@ def smaps_kb(address: int, field: str) -> int:
     raise AssertionError("the mapping is not in smaps")
 
 
+def staging_dir_of(server) -> str:
+    """A real server's private staging directory (lora_sync/private_dir.py: its API
+    process's pid, then a random part)."""
+    import glob
+    found = glob.glob(f"/dev/shm/lora-sync-staging-{server.proc.pid}-*")
+    assert len(found) == 1, found
+    return found[0]
+
+
 def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -23,7 +23,7 @@ def test_fsdp2_trainer_pushes_on_every_rank(vllm, model_dir, tmp_path):
     for key in ("versions", "bytes_fp32", "bytes_bf16", "refusal"):
         assert reports[0][key] == reports[1][key], key  # every rank got rank 0's results
     assert reports[0]["versions"] == [1, 2, 3]
-    assert reports[0]["refusal"] == ["BadAdapter", "bad_name"]  # the server's own error
+    assert reports[0]["refusal"] == ["BadRequest", "bad_name"]  # the server's own error
     assert reports[0]["bytes_bf16"] * 2 == reports[0]["bytes_fp32"]
     print(f"\nsharded push: fp32 {reports[0]['bytes_fp32']} B, bf16 {reports[0]['bytes_bf16']} B;"
           f" push {reports[0]['push_ms']} ms, gather alone {reports[0]['gather_ms_median']:.1f} ms")

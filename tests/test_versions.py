@@ -8,7 +8,7 @@ import pytest
 
 from lora_sync import LoRASyncClient, NotFound, http
 
-from .helpers import AUTH, PROMPT, greedy
+from .helpers import AUTH, PROMPT, greedy, staging_dir_of
 
 KEEP = 3  # the session server's LORA_SYNC_KEEP_VERSIONS
 
@@ -182,7 +182,7 @@ def test_retired_versions_memory_is_reused_and_live_versions_stay_intact(client,
     """A push reuses what a retired version freed (the staging file of a tensor push, the
     receive buckets of a broadcast). Every version still in the window keeps answering
     exactly as right after its own push."""
-    staging = f"/dev/shm/lora-sync-staging-{server.proc.pid}"
+    staging = staging_dir_of(server)
     if transport == "broadcast":
         client.init_group()
     try:
