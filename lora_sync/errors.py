@@ -60,6 +60,12 @@ class ErrorCode(str, Enum):
     TOO_MANY_NAMES = "too_many_names"
     TOO_MANY_GROUPS = "too_many_groups"
     TOO_MANY_LEASES = "too_many_leases"
+    # a tenant's own quotas (docs/operations.md, "Shared servers"), beside the totals above
+    QUOTA_NAMES = "quota_names"
+    QUOTA_STAGING = "quota_staging"
+    QUOTA_LEASES = "quota_leases"
+    QUOTA_GROUPS = "quota_groups"
+    QUOTA_PUSHES = "quota_pushes"
     CONFLICT = "conflict"  # a 409 without a more precise code (a foreign reply)
     # 5xx: the server or the path to it
     INTERNAL_ERROR = "internal_error"
@@ -177,6 +183,7 @@ _CLASS_OF_CODE = {"version_conflict": VersionConflict, "group_exists": Conflict,
                   "client_disconnected": ClientDisconnected,
                   **{code: BadRequest for code in (
                       "bad_request", "bad_version", "bad_name", "bad_lease", "no_group",
+                      "protocol_mismatch",
                       "transfer_mismatch", "layout_unknown", "bad_content_type")}}
 _CLASS_OF_STATUS = {cls.status: cls for cls in (BadAdapter, Unauthorized, Forbidden, NotFound,
                                                 TimedOut, Conflict, PayloadTooLarge, TooBusy,

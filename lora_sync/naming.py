@@ -66,10 +66,35 @@ class VersionBook:
     # Newest version of a retired name whose versions may still drain: a new push of the
     # name must not reuse one of their served names.
     floors: dict[str, int] = field(default_factory=dict)
+    # Where a rolled-back alias points (a retained version), and the names whose alias is
+    # pinned there: a push moves an unpinned alias to its new version, never a pinned one.
+    targets: dict[str, int] = field(default_factory=dict)
+    pinned: set[str] = field(default_factory=set)
 
     def latest(self, name: str) -> int | None:
         vs = self.versions.get(name)
         return vs[-1] if vs else None
+
+    def alias(self, name: str) -> int | None:
+        """The version `name` itself resolves to: where it was pointed, else the newest."""
+        target = self.targets.get(name)
+        return target if target is not None else self.latest(name)
+
+    def point(self, name: str, version: int | None, pin: bool = False) -> int:
+        """Points the alias at a retained `version` (None: back to the newest, unpinned);
+        `pin` keeps it there across pushes. Returns the version it now resolves to."""
+        if version is None:
+            self.targets.pop(name, None)
+            self.pinned.discard(name)
+        else:
+            if version not in self.versions.get(name, ()):
+                raise KeyError(version)
+            self.targets[name] = version
+            if pin:
+                self.pinned.add(name)
+            else:
+                self.pinned.discard(name)
+        return self.alias(name)
 
     def names(self) -> set[str]:
         """Every name that is servable or has a push in flight."""
@@ -92,19 +117,26 @@ class VersionBook:
             del self.reserved[name]
 
     def commit(self, name: str, version: int, keep: int | None = None) -> list[int]:
-        """Marks `version` servable; returns versions that fall out of a `keep` window."""
+        """Marks `version` servable; returns versions that fall out of a `keep` window. The
+        alias moves to it unless pinned; a pinned target stays, outside the window."""
         self.unreserve(name, version)
         vs = self.versions.setdefault(name, [])
         vs.append(version)
         vs.sort()
+        if name not in self.pinned:
+            self.targets.pop(name, None)
         if keep is None or len(vs) <= keep:
             return []
-        retired, self.versions[name] = vs[:-keep], vs[-keep:]
+        held = self.targets.get(name)
+        retired = [v for v in vs[:-keep] if v != held]
+        self.versions[name] = [v for v in vs if v not in retired]
         return retired
 
     def forget(self, name: str) -> list[int]:
         """Takes every version of `name` out of service (the alias goes with them)."""
         versions = self.versions.pop(name, [])
+        self.targets.pop(name, None)
+        self.pinned.discard(name)
         if versions:
             self.floors[name] = max(versions[-1], self.floors.get(name, 0))
         return versions

@@ -80,6 +80,11 @@ TOUCHED = (
     "sglang.srt.managers.tokenizer_manager:ReqState.obj",
     "sglang.srt.utils.auth:AuthLevel.ADMIN_OPTIONAL",
     "sglang.srt.utils.auth:auth_level(level)",
+    "sglang.srt.utils.auth:decide_request_auth(*, method, path, authorization_header, "
+    "api_key, admin_api_key, auth_level)",
+    "sglang.srt.utils.auth:AuthDecision(*, allowed)",
+    "sglang.srt.utils.auth:AuthDecision.allowed",
+    "sglang.srt.utils.auth:AuthLevel.NORMAL",
 )
 
 
@@ -288,6 +293,28 @@ def engine_keys(tm) -> tuple[str | None, str | None]:
     """(--api-key, --admin-api-key)."""
     args = tm.server_args
     return getattr(args, "api_key", None) or None, getattr(args, "admin_api_key", None) or None
+
+
+def let_tenant_keys_through(own_paths: frozenset, is_tenant_key) -> None:
+    """With lora-sync tenants: SGLang's key middleware, in front of ours, knows only its own
+    keys. A tenant's key is let through where lora-sync then decides what it may do: our own
+    routes, and the generation routes (admission admits only the adapters it may use).
+    SGLang's own admin routes still take SGLang's admin key alone."""
+    import importlib
+    auth = importlib.import_module("sglang.srt.utils.auth")  # its global is patched
+    decide = auth.decide_request_auth
+    if getattr(decide, "lora_sync_tenants", False):
+        return
+
+    def decide_with_tenants(*, path, authorization_header, auth_level, **kw):
+        decision = decide(path=path, authorization_header=authorization_header,
+                          auth_level=auth_level, **kw)
+        ours = path in own_paths or auth_level == auth.AuthLevel.NORMAL
+        if decision.allowed or not ours or not is_tenant_key(authorization_header):
+            return decision
+        return auth.AuthDecision(allowed=True)
+    decide_with_tenants.lora_sync_tenants = True
+    auth.decide_request_auth = decide_with_tenants  # looked up at each request
 
 
 def mark_admin(router) -> None:

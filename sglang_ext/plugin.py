@@ -59,6 +59,9 @@ def _on_tokenizer_manager(tm) -> None:
         strict_models=True, model_names=frozenset({tm.served_model_name}),
         cache_key_fields={"extra_key": engine_api.LORA_ID_PREFIX}))
     app.state.lora_sync = service
+    if service.tenancy.enabled:
+        engine_api.let_tenant_keys_through(
+            own_paths(""), lambda header: service.tenancy.resolve(header).kind == "tenant")
     # Served by SGLang's /metrics when it runs with --enable-metrics (prometheus_client's
     # multiprocess mode: SGLang set PROMETHEUS_MULTIPROC_DIR before this hook runs).
     metrics.install(service)

@@ -106,6 +106,8 @@ TOUCHED = (
     "vllm.lora.layers:QKVParallelLinearWithLoRA",
     "vllm.lora.layers:MergedColumnParallelLinearWithLoRA",
     "vllm.lora.layers:MergedQKVParallelLinearWithLoRA",
+    # lora-sync tenants through vLLM's --api-key middleware
+    "vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware.verify_token(headers)",
 )
 
 
@@ -168,6 +170,22 @@ def accept_admin_key(args, admin_key: str | None) -> None:
     keys = engine_api_keys(args)
     if admin_key and keys and admin_key not in keys:
         args.api_key = keys + [admin_key]
+
+
+def let_tenant_keys_through(is_tenant_key) -> None:
+    """With lora-sync tenants and vLLM's --api-key: vLLM's middleware, in front of ours,
+    knows only its own keys (and our admin key, `accept_admin_key`); tenants' keys are held
+    as hashes, so they are let through here instead. What a tenant's key may then do on a
+    route is lora-sync's to say (routes, admission)."""
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+    verify = AuthenticationMiddleware.verify_token
+    if getattr(verify, "lora_sync_tenants", False):
+        return
+
+    def verify_with_tenants(self, headers):
+        return verify(self, headers) or is_tenant_key(headers.get("Authorization"))
+    verify_with_tenants.lora_sync_tenants = True
+    AuthenticationMiddleware.verify_token = verify_with_tenants
 
 
 def adapter_in_use(engine_client, lora_int_id: int) -> bool:

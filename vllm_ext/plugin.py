@@ -47,6 +47,9 @@ class LoRASyncEndpointPlugin:
         if getattr(args, "worker_extension_cls", "") != WORKER_EXTENSION:
             raise RuntimeError(f"lora-sync needs --worker-extension-cls {WORKER_EXTENSION}")
         state.lora_sync = service
+        if service.tenancy.enabled and keys:
+            engine_api.let_tenant_keys_through(
+                lambda header: service.tenancy.resolve(header).kind == "tenant")
         # vLLM's one API server serves prometheus_client's global registry at /metrics
         # (a multiprocess registry when PROMETHEUS_MULTIPROC_DIR is set): ours go there.
         metrics.install(service)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from .. import naming
 from ..errors import BadRequest, LoRASyncError, NotFound, PayloadTooLarge
 from ..fields import loads
 from .socket_body import RAW_RECEIVE
@@ -30,6 +31,9 @@ NAME_FIELDS = ("model", "lora_path")
 NESTED = ("parameters",)
 INTERNAL_FIELDS = ("lora_id",)  # SGLang's engine ids: never taken from a client
 BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
+# The engines' model listings (OpenAI's GET /v1/models, on both): with tenants, each caller
+# sees only the adapters it may generate on (`_list_models_for`).
+MODEL_LISTS = ("/v1/models",)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,11 @@ class AdmissionMiddleware:
         self.also_set = also_set        # fields to set when `model` names ours (SGLang)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") == "GET" \
+                and scope.get("path") in MODEL_LISTS:
+            service = getattr(scope["app"].state, "lora_sync", None)
+            if service is not None and service.tenancy.enabled:
+                return await _list_models_for(service, self.app, scope, receive, send)
         if scope["type"] != "http" or scope.get("method") not in BODY_METHODS:
             return await self.app(scope, receive, send)
         if scope.get("path") in self.own_paths:  # uvicorn's receive, for a socket body
@@ -145,22 +154,26 @@ class AdmissionMiddleware:
                     raise BadRequest(f"field {f!r} must not contain {marker!r}: the engine "
                                      "keys lora-sync's adapters by it", code="bad_request")
         admitted, ok, model_served = [], False, None
+        # Who asks (tenants.py): every name below is admitted for this caller, or answered
+        # as a name that is not served.
+        caller = service.caller(_header(scope, b"authorization"))
         try:
             header = _header(scope, SAGEMAKER_ADAPTER_HEADER)
             if header is not None:
-                served = _admit_name(service, header, admitted)
+                served = _admit_name(service, header, admitted, caller)
                 if served is not None:
                     scope = _with_header(scope, SAGEMAKER_ADAPTER_HEADER, served)
             for place in places:
                 for f in NAME_FIELDS:
                     value = place.get(f)
                     if isinstance(value, list):
-                        place[f] = [_admit_name(service, v, admitted) or v for v in value]
+                        place[f] = [_admit_name(service, v, admitted, caller) or v
+                                    for v in value]
                         continue
                     if not isinstance(value, str):
                         continue
-                    served = self._admit_model(service, value, admitted) if f == "model" \
-                        else _admit_name(service, value, admitted)
+                    served = self._admit_model(service, value, admitted, caller) \
+                        if f == "model" else _admit_name(service, value, admitted, caller)
                     if served is not None:
                         place[f] = served
                         model_served = model_served or (served if f == "model" else None)
@@ -183,11 +196,11 @@ class AdmissionMiddleware:
             scope = _with_header(scope, b"content-length", str(len(body)))
         return admitted, scope, body
 
-    def _admit_model(self, service, model: str, admitted: list) -> str | None:
+    def _admit_model(self, service, model: str, admitted: list, caller) -> str | None:
         """`model` read as the engine reads it: the versioned name it resolves to if it is
         ours; with strict_models, a name neither we nor the engine serve is a 404."""
         name = self.model_adapter(model)
-        served = _admit_name(service, name, admitted)
+        served = _admit_name(service, name, admitted, caller)
         if served is None and self.strict_models and not service.serves(name):
             raise NotFound(f"model {name[:140]!r} is not served here (neither a model nor an "
                            "adapter of this server)", code="model_not_found")
@@ -199,15 +212,50 @@ class AdmissionMiddleware:
         return served
 
 
-def _admit_name(service, value, admitted: list) -> str | None:
+def _admit_name(service, value, admitted: list, caller) -> str | None:
     """The versioned name `value` resolves to, if it is one of ours (counted in flight)."""
     if not isinstance(value, str):
         return None
-    record = service.admit(value)
+    record = service.admit(value, caller)
     if record is None:
         return None
     admitted.append(record)
     return record.served_name
+
+
+async def _list_models_for(service, app, scope, receive, send) -> None:
+    """The engine's model listing, less the adapters of tenants the caller may not generate
+    on (their names would otherwise be probed here)."""
+    caller = service.caller(_header(scope, b"authorization"))
+    start, chunks = None, []
+
+    async def keep(message):
+        nonlocal start
+        if message["type"] == "http.response.start":
+            start = message
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+    await app(scope, receive, keep)
+    if start is None:
+        return
+    body = b"".join(chunks)
+    try:
+        listing = json.loads(body) if start["status"] == 200 else None
+    except ValueError:
+        listing = None
+    if isinstance(listing, dict) and isinstance(listing.get("data"), list):
+        listing["data"] = [m for m in listing["data"] if not isinstance(m, dict)
+                           or not isinstance(m.get("id"), str)
+                           or _listed_for(service, caller, m["id"])]
+        body = json.dumps(listing).encode()
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _listed_for(service, caller, model_id: str) -> bool:
+    base = naming.split_versioned(model_id)[0]
+    return service.tenancy.owner_of(base) is None or service.tenancy.may_generate(caller, base)
 
 
 def _native_name(route: NativeRoute, scope, request) -> str | None:

@@ -53,6 +53,11 @@ STATE_GAUGES = (
      "Admitted generation requests not yet finished, per adapter version",
      ("name", "version")),
     ("lora_sync_alias_version", "The version the alias <name> resolves to", ("name",)),
+    ("lora_sync_tenant_quota_use",
+     "What each tenant holds now, per quota (names, staging_bytes, leases, groups, "
+     "pushes_per_minute)", ("tenant", "quota")),
+    ("lora_sync_tenant_quota_limit", "Each tenant's quotas, from the tenants file",
+     ("tenant", "quota")),
 )
 
 _services: "weakref.WeakSet" = weakref.WeakSet()   # the AdapterServices of this process
@@ -87,10 +92,11 @@ def state_changed() -> None:
 
 
 def observe(route: str, status: int, body: dict, seconds: float,
-            transport: str | None = None) -> None:
+            transport: str | None = None, tenant: str | None = None) -> None:
     """Records a lora-sync route's reply. `transport`: the push this reply ends (a push
-    route), or whose first step it refused (the shm lease); None for other routes. Never
-    raises: a metrics bug must not turn a push into an error."""
+    route), or whose first step it refused (the shm lease); None for other routes.
+    `tenant`: who asked, with tenants configured (a tenant's name, "operator"; bounded by
+    the tenants file). Never raises: a metrics bug must not turn a push into an error."""
     try:
         error = body.get("error") if status != 200 else None
         code = error.get("code", "internal_error") if isinstance(error, dict) else None
@@ -98,6 +104,8 @@ def observe(route: str, status: int, body: dict, seconds: float,
             _log_push(transport, status, code, body, seconds, error)
         if _metrics is not None:
             _metrics.observe(route, status, code, body, transport)
+            if tenant is not None:
+                _metrics.observe_tenant(tenant, status, code, body, transport)
     except Exception:
         logger.exception("lora-sync metrics: recording %s failed", route)
 
@@ -105,8 +113,13 @@ def observe(route: str, status: int, body: dict, seconds: float,
 def state_samples():
     """(metric, help, label names, [(label values, value)]) for each state gauge, summed
     over this process's services (one in practice)."""
-    retained, draining, inflight, alias = {}, {}, {}, {}
+    retained, draining, inflight, alias, use, limit = {}, {}, {}, {}, {}, {}
     for service in list(_services):
+        tenancy = getattr(service, "tenancy", None)  # (tests register stand-ins too)
+        for tenant in (tenancy.tenants.values() if tenancy is not None else ()):
+            for quota, value in service.usage(tenant).items():
+                use[(tenant.name, quota)] = value
+                limit[(tenant.name, quota)] = getattr(tenant.quotas, quota)
         for rec in list(service.records.values()):
             key = (rec.name,)
             retained.setdefault(key, 0)
@@ -117,10 +130,10 @@ def state_samples():
                 retained[key] += 1
             vkey = (rec.name, str(rec.version))
             inflight[vkey] = inflight.get(vkey, 0) + rec.inflight
-            latest = service.book.latest(rec.name)
+            latest = service.book.alias(rec.name)
             if latest is not None:
                 alias[key] = max(alias.get(key, 0), latest)
-    values = (retained, draining, inflight, alias)
+    values = (retained, draining, inflight, alias, use, limit)
     return [(name, help_text, labels, sorted(v.items()))
             for (name, help_text, labels), v in zip(STATE_GAUGES, values)]
 
@@ -152,6 +165,15 @@ class _Metrics:
         self.phase_seconds = pc.Histogram("lora_sync_push_phase_seconds",
                                           "Server time of each phase of a successful push",
                                           ["transport", "phase"], buckets=BUCKETS)
+        # Per tenant (with tenants configured): label values are the tenants file's names and
+        # "operator", codes those of ErrorCode: bounded.
+        self.tenant_pushes = pc.Counter("lora_sync_tenant_pushes",
+                                        "Adapter versions installed, per caller", ["tenant"])
+        self.tenant_bytes = pc.Counter("lora_sync_tenant_push_bytes",
+                                       "Tensor bytes installed by pushes, per caller", ["tenant"])
+        self.tenant_refusals = pc.Counter("lora_sync_tenant_refusals",
+                                          "Error replies of lora-sync routes, per caller and "
+                                          "code", ["tenant", "code"])
         for t in TRANSPORT_NAMES:  # zero series from the start: rate() works at once
             self.pushes.labels(t)
             self.push_bytes.labels(t)
@@ -160,6 +182,14 @@ class _Metrics:
             self.snapshot = _Snapshot(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         else:
             pc.REGISTRY.register(_StateCollector())
+
+    def observe_tenant(self, tenant: str, status: int, code: str | None, body: dict,
+                       transport: str | None) -> None:
+        if code is not None:
+            self.tenant_refusals.labels(tenant, code).inc()
+        elif transport is not None and status == 200 and "transport" in body:
+            self.tenant_pushes.labels(tenant).inc()
+            self.tenant_bytes.labels(tenant).inc(max(0, int(body.get("bytes", 0))))
 
     def observe(self, route: str, status: int, code: str | None, body: dict,
                 transport: str | None) -> None:

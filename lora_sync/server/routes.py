@@ -20,6 +20,7 @@ from .socket_body import RAW_RECEIVE, BodyChunks
 
 logger = logging.getLogger("lora_sync")
 RETIRE_ROUTE = "/retire_lora_adapter"
+ALIAS_ROUTE = "/lora_sync_alias"  # rollback and pinning (service.point_alias)
 # Every POST route: path -> (transport, its Route); and retiring a name, the service's own.
 TRANSPORT_ROUTES = {path: (t, route) for t in TRANSPORTS.values()
                     for path, route in t.routes().items()}
@@ -40,7 +41,8 @@ def _service(request: Request) -> AdapterService:
 
 def own_paths(prefix: str) -> frozenset:
     """Every path of ours (admission leaves them to the routes' own checks)."""
-    return frozenset(prefix + p for p in (*TRANSPORT_ROUTES, RETIRE_ROUTE, *GET_ROUTES))
+    return frozenset(prefix + p for p in (*TRANSPORT_ROUTES, RETIRE_ROUTE, ALIAS_ROUTE,
+                                          *GET_ROUTES))
 
 
 async def _json(request: Request, limit: int) -> dict:
@@ -64,11 +66,13 @@ def build_router(prefix: str = "") -> APIRouter:
     async def handle(request: Request, action, route: str):
         service = _service(request)
         t0 = time.perf_counter()
+        caller = None
         try:
-            service.authorize(request.headers.get("authorization"))
+            # who: the operator, or a tenant (tenants.py); the action gets it
+            caller = service.authorize(request.headers.get("authorization"))
             if request.method == "POST":  # another protocol: refused before anything else
                 check_protocol(request.headers.get(PROTOCOL_HEADER))
-            body, status = await action(service), 200
+            body, status = await action(service, caller), 200
         except LoRASyncError as e:
             body, status = e.to_json(), e.status
         except ClientDisconnect:
@@ -79,7 +83,8 @@ def build_router(prefix: str = "") -> APIRouter:
             err = LoRASyncError(f"{type(e).__name__}: {e}")
             body, status = err.to_json(), err.status
         metrics.observe(route, status, body, time.perf_counter() - t0,
-                        PUSH_ROUTES.get(route) or PUSH_START_ROUTES.get(route))
+                        PUSH_ROUTES.get(route) or PUSH_START_ROUTES.get(route),
+                        tenant=caller.label if caller and service.tenancy.enabled else None)
         body["instance_id"] = service.instance_id
         return JSONResponse(body, status_code=status,
                             headers={INSTANCE_HEADER: service.instance_id,
@@ -103,17 +108,19 @@ def build_router(prefix: str = "") -> APIRouter:
         return await _json(request, service.settings.max_request_bytes)
 
     def add_transport_route(path: str, transport: Transport, route):
-        async def act(service: AdapterService, request: Request):
+        async def act(service: AdapterService, request: Request, caller):
             if route.stream:
                 parsed = await read_stream(request, service)
             else:
                 parsed = route.parse(await read_json(request, service), service.settings)
             if route.handler is None:
-                return await service.push(transport, parsed)
-            return await route.handler(parsed, service.contexts[transport.name])
+                return await service.push(transport, parsed, caller)
+            return await service.tenant_call(route.handler, parsed,
+                                             service.contexts[transport.name], caller)
 
         async def endpoint(request: Request):
-            return await handle(request, lambda service: act(service, request), path)
+            return await handle(request, lambda service, caller: act(service, request, caller),
+                                path)
         router.post(path)(endpoint)
 
     for path, (transport, route) in TRANSPORT_ROUTES.items():
@@ -121,18 +128,24 @@ def build_router(prefix: str = "") -> APIRouter:
 
     @router.post(RETIRE_ROUTE)
     async def retire(request: Request):
-        async def act(service: AdapterService):
-            return await service.retire_name(await read_json(request, service))
+        async def act(service: AdapterService, caller):
+            return await service.retire_name(await read_json(request, service), caller)
         return await handle(request, act, RETIRE_ROUTE)
+
+    @router.post(ALIAS_ROUTE)
+    async def alias(request: Request):
+        async def act(service: AdapterService, caller):
+            return await service.point_alias(await read_json(request, service), caller)
+        return await handle(request, act, ALIAS_ROUTE)
 
     @router.get("/lora_sync_info")
     async def info(request: Request):
-        return await handle(request, lambda s: s.info(), "/lora_sync_info")
+        return await handle(request, lambda s, caller: s.info(caller), "/lora_sync_info")
 
     @router.get("/lora_adapters")
     async def list_adapters(request: Request):
-        async def act(service):
-            return service.list_adapters()
+        async def act(service, caller):
+            return service.list_adapters(caller)
         return await handle(request, act, "/lora_adapters")
 
     return router

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import dataclasses
 import hmac
 import math
 import time
@@ -12,7 +14,8 @@ from dataclasses import dataclass, field, fields
 
 from .. import naming
 from ..adapter import ModelSpec, check_adapter
-from ..errors import Conflict, Forbidden, LoRASyncError, NotFound, TooBusy, Unauthorized
+from ..errors import BadRequest, Conflict, Forbidden, LoRASyncError, NotFound, TooBusy, \
+    Unauthorized
 from ..messages import IntakeRequest, WorkerReply
 from ..staging import StagedBody, StagingArea
 from ..transports import TRANSPORTS
@@ -20,6 +23,7 @@ from ..transports.base import RawBody, ServerContext, Staged, Transport
 from . import metrics
 from .bridge import EngineBridge
 from .settings import Settings
+from .tenants import OPERATOR, Caller, Tenancy, hide
 
 # How often a drained version asks the engine whether a request still uses it.
 DRAIN_POLL_S = 0.05
@@ -35,6 +39,9 @@ FREES_WAIT_S = 3.0
 FREES_WAITERS = 8
 # Retired names remembered so a request on one gets `version_retired`, never another model.
 RETIRED_NAMES_KEPT = 4096
+# The caller of the push being staged: the service's upload budget is per tenant too, and
+# the transport that streams the body is not told who sent it.
+_PUSHING = contextvars.ContextVar("lora_sync_pushing", default=OPERATOR)
 
 
 class NameLocks:
@@ -128,6 +135,7 @@ class AdapterService:
         self._deferred: set[asyncio.Event] = set()    # frees waiting for requests to pause
         self._waiting_for_frees = 0                    # requests in `retired_freed`
         self.retired_names: OrderedDict[str, None] = OrderedDict()  # oldest first, bounded
+        self.tenancy = Tenancy(self.settings.tenants, self.settings.api_key)
 
     async def model_spec(self) -> ModelSpec:
         if self._spec is None:
@@ -135,17 +143,24 @@ class AdapterService:
         return self._spec
 
     # -- access ------------------------------------------------------------------------
-    def authorize(self, authorization: str | None) -> None:
-        """Admin routes (ours, and the engine's adapter routes): the lora-sync key when set;
-        closed when only the engine has a key (its generation key never opens them)."""
-        key = self.settings.api_key
-        if key is None:
+    def authorize(self, authorization: str | None) -> Caller:
+        """Admin routes (ours, and the engine's adapter routes): the lora-sync key when set
+        (or, with tenants, a tenant's key: the caller says which); closed when only the
+        engine has a key (its generation key never opens them)."""
+        if self.settings.api_key is None:
             if self.settings.engine_has_key:
                 raise Forbidden("lora-sync admin routes are closed: the engine has an API key "
                                 "but LORA_SYNC_API_KEY is not set", code="admin_closed")
-            return
-        if not hmac.compare_digest((authorization or "").encode(), f"Bearer {key}".encode()):
+            return OPERATOR
+        caller = self.tenancy.resolve(authorization)
+        if caller.kind == "anonymous":
             raise Unauthorized("missing or wrong API key for lora-sync admin routes")
+        return caller
+
+    def caller(self, authorization: str | None) -> Caller:
+        """Who a generation request is (admission): the operator, a tenant, or anonymous
+        (no key, a wrong one, the engine's own key). The same resolution as `authorize`."""
+        return self.tenancy.resolve(authorization)
 
     def authorize_generation(self, authorization: str | None) -> None:
         """A request on our adapters through an engine route the engine's key does not
@@ -158,8 +173,11 @@ class AdapterService:
                                "on lora-sync adapters need it", code="unauthorized")
 
     def authorize_native(self, authorization: str | None, name) -> None:
-        """The engine's own adapter routes: guarded like ours, and never on our names."""
-        self.authorize(authorization)
+        """The engine's own adapter routes: guarded like ours, the operator's alone, and
+        never on our names."""
+        if self.authorize(authorization).kind != "operator":
+            raise Forbidden("the engine's own adapter routes are the operator's: a tenant "
+                            "pushes with lora-sync's routes", code="forbidden")
         if isinstance(name, str) and self.owns(name):
             raise Forbidden(f"{name[:140]!r} is managed by lora-sync: push, retire and list it "
                             "with lora-sync's routes", code="reserved_name")
@@ -191,16 +209,23 @@ class AdapterService:
         return name in self.bridge.engine_names()
 
     # -- pushes: the one flow every transport's push goes through -----------------------
-    async def push(self, transport: Transport, request) -> dict:
+    async def push(self, transport: Transport, request, caller: Caller = OPERATOR) -> dict:
         """stage (the transport) -> check -> install: reserve the version, the workers'
         intake, activate, publish, retire what falls out of the window. Any failure leaves
-        the previous versions exactly as they were."""
+        the previous versions exactly as they were. `caller`: its quotas are checked before
+        anything is staged, its scope once the name is known."""
         t0 = time.perf_counter()
-        settle_ms = await self.settle()
         ctx = self.contexts[transport.name]
-        staged = await transport.stage(request, ctx)
+        self.gate(caller, request, ctx, pushes=transport.start_path is None)
+        settle_ms = await self.settle()
+        token = _PUSHING.set(caller)
+        try:
+            staged = await transport.stage(request, ctx)
+        finally:
+            _PUSHING.reset(token)
         kept = False
         try:
+            self.tenancy.check(caller, staged.name)  # before the workers see a byte
             cfg = check_adapter(staged.specs, staged.config, await self.model_spec())
             reply = await self._install(transport.name, staged, cfg, t0)
             kept = True  # the workers may use what the version holds: it goes with it
@@ -220,12 +245,19 @@ class AdapterService:
     async def _install(self, transport: str, staged: Staged, cfg: dict, t0: float) -> dict:
         name = staged.name
         t_in = time.perf_counter()
+        owner = self.tenancy.owner_of(name)  # its quotas hold whoever pushes
         async with self._locks.hold(name):
             live = self.book.names()  # a retired name stops counting at once, drained or not
             if name not in live and len(live) >= self.settings.max_names:
                 raise TooBusy(f"this server already holds {self.settings.max_names} adapter "
                               "names (LORA_SYNC_MAX_NAMES); retire one with "
                               "retire_lora_adapter first", code="too_many_names")
+            if owner is not None and name not in live:
+                held = sum(1 for n in live if owner.covers(n))
+                if held >= owner.quotas.names:
+                    raise TooBusy(f"tenant {owner.name!r} already holds {held} adapter names "
+                                  "(its max_names quota); retire one first",
+                                  code="quota_names")
             self.check_disjoint(name)
             version = self.book.reserve(name, staged.version)
             adapter_id = self.bridge.new_adapter_id()
@@ -247,7 +279,9 @@ class AdapterService:
             # The engine's table gets the version only; the alias lives here and admission
             # resolves it, so no engine route can use it uncounted.
             self.bridge.publish(served, handle)
-            retired = self.book.commit(name, version, self.settings.keep_versions)
+            keep = owner.quotas.keep_versions if owner is not None else \
+                self.settings.keep_versions
+            retired = self.book.commit(name, version, keep)
             rec = AdapterRecord(name, version, served, adapter_id, staged.nbytes,
                                 int(cfg["r"]), transport, (t3 - t0) * 1e3, hold=staged.hold)
             self.records[served] = rec
@@ -262,19 +296,40 @@ class AdapterService:
                                "register": (t3 - t2) * 1e3}}
 
     async def _receive_body(self, raw: RawBody) -> StagedBody:
-        """Streams an upload into staging; uploads and open shm leases share one budget."""
+        """Streams an upload into staging; uploads and open shm leases share one budget, and
+        a tenant's share of it is bounded by its own quota as well."""
         held = sum(t.held_bytes(self.contexts[n].state) for n, t in TRANSPORTS.items())
-        return await self.staging.receive_body(raw.chunks, self.settings.body_limits,
-                                               raw.content_length, held_elsewhere=held)
+        tenant = _PUSHING.get().tenant
+        if tenant is None:
+            return await self.staging.receive_body(raw.chunks, self.settings.body_limits,
+                                                   raw.content_length, held_elsewhere=held)
+        # What the body may be: the tenant's quota less what it holds (a body without a
+        # Content-Length is cut off there, as one above LORA_SYNC_MAX_BODY_MB would be).
+        left = tenant.quotas.staging_bytes - self.tenancy.staged_bytes(tenant, self._leases())
+        claimed = raw.content_length if raw.content_length is not None else max(left, 0)
+        self.tenancy.check_staging(tenant, self._leases(), max(claimed, 1))
+        limits = self.settings.body_limits
+        limits = dataclasses.replace(limits, max_body=min(limits.max_body, claimed))
+        self.tenancy.uploads[tenant.name] += claimed
+        try:
+            return await self.staging.receive_body(raw.chunks, limits, raw.content_length,
+                                                   held_elsewhere=held)
+        finally:
+            self.tenancy.uploads[tenant.name] -= claimed
 
-    async def retire_name(self, body: dict) -> dict:
+    def _leases(self) -> dict:
+        """The open shm leases (lease id -> what it holds), for the tenants' ledger."""
+        return getattr(self.contexts.get("shm") and self.contexts["shm"].state, "pending", {})
+
+    async def retire_name(self, body: dict, caller: Caller = OPERATOR) -> dict:
         """Takes every version of a name out of service at once (the name no longer counts
         against LORA_SYNC_MAX_NAMES); running requests finish on their version."""
         name = naming.check_name(body.get("lora_name"))
+        self.tenancy.check(caller, name)
         async with self._locks.hold(name):
             versions = self.book.forget(name)
             if not versions:
-                raise NotFound(f"no adapter named {name!r}", code="not_found")
+                raise hide(name)  # the reply a name outside the caller's scope gets
             self._retire(name, versions)
             self.retired_names[name] = None
             while len(self.retired_names) > RETIRED_NAMES_KEPT:
@@ -284,13 +339,21 @@ class AdapterService:
         return {"lora_name": name, "retired": versions, "draining": draining}
 
     # -- admission (see admission.py) -------------------------------------------------
-    def admit(self, requested: str) -> AdapterRecord | None:
+    def admit(self, requested: str, caller: Caller = OPERATOR) -> AdapterRecord | None:
         """The record a generation request naming `requested` will use (counted in flight),
         or None when the name is not ours. A retired or unknown version of one of our names,
-        or a retired name, raises NotFound: never another model."""
+        or a retired name, raises NotFound: never another model. With tenants, a name in a
+        tenant's scope is answered here whatever it is: served if `caller` may generate on
+        it, else the reply a name that is not served gets (hide), there or not."""
         name, version = naming.split_versioned(requested)
+        if self.tenancy.enabled and self.tenancy.owner_of(name) is not None:
+            if not self.tenancy.may_generate(caller, name):
+                raise hide(requested, "model")
+            if self.book.alias(name) is None and name not in self.retired_names \
+                    and requested not in self.records:
+                raise hide(requested, "model")  # ours to answer: never the engine's guess
         if version is None:
-            latest = self.book.latest(requested)
+            latest = self.book.alias(requested)
             if latest is None:
                 if requested in self.retired_names:
                     raise NotFound(f"{requested} was retired", code="version_retired")
@@ -456,12 +519,13 @@ class AdapterService:
                     self._free_when_idle(rec, by_push)
         metrics.state_changed()
 
-    async def info(self) -> dict:
+    async def info(self, caller: Caller = OPERATOR) -> dict:
         """What a trainer needs before it broadcasts: worker count and the model's limits,
-        so it can refuse a bad adapter before any collective call."""
+        so it can refuse a bad adapter before any collective call. A tenant sees its own
+        groups, leases, quotas and their use, nothing of the others'."""
         spec = await self.model_spec()
         status = await self.workers.status()
-        return {"instance_id": self.instance_id, "workers": len(status),
+        info = {"instance_id": self.instance_id, "workers": len(status),
                 "worker_status": status, **spec.info(),
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
@@ -469,12 +533,114 @@ class AdapterService:
                 "staged_bodies": dict(self.staging.landed),
                 **{k: v for n, t in TRANSPORTS.items()
                    for k, v in t.info(self.contexts[n].state).items()}}
+        tenant = caller.tenant
+        if tenant is None:
+            return info
+        q = tenant.quotas
+        return {**info, "keep_versions": q.keep_versions, "max_names": q.names,
+                "max_body_bytes": min(self.settings.max_body_bytes, q.staging_bytes),
+                "worker_status": [{"rank": w.get("rank"), "world_size": w.get("world_size"),
+                                   "groups": [g for g in w.get("groups", [])
+                                              if tenant.covers(g)]} for w in status],
+                "staged_bodies": {}, "open_leases": len(self._tenant_leases(tenant)),
+                "tenant": {"name": tenant.name, "prefix": tenant.prefix,
+                           "names": sorted(tenant.names), "generate": tenant.generate,
+                           "quotas": dataclasses.asdict(q), "usage": self.usage(tenant)}}
 
-    def list_adapters(self) -> dict:
+    def usage(self, tenant) -> dict:
+        """What a tenant holds now, quota by quota (the info reply and the metrics)."""
+        groups = self.contexts["broadcast"].state.tokens if "broadcast" in self.contexts else {}
+        return {"names": sum(1 for n in self.book.names() if tenant.covers(n)),
+                "staging_bytes": self.tenancy.staged_bytes(tenant, self._leases()),
+                "leases": len(self._tenant_leases(tenant)),
+                "groups": sum(1 for g in groups if tenant.covers(g)),
+                "pushes_per_minute": len(self.tenancy.pushes.get(tenant.name, ()))}
+
+    def _tenant_leases(self, tenant) -> list[str]:
+        return self.tenancy.open_leases(tenant, self._leases())
+
+    # -- the tenants' gate: what a request may do before its transport runs ---------------
+    def gate(self, caller: Caller, request, ctx: ServerContext, pushes: bool = False) -> None:
+        """A tenant's request on a transport route, checked before anything is staged: the
+        names it carries against its scope, the lease it redeems against its own, and
+        (`pushes`: the request starts a push) its push rate. Leases and groups are checked
+        where they are made (`tenant_call`). The operator passes; no tenants: nothing."""
+        if caller.tenant is None:
+            return
+        for attr, what in (("lora_name", "adapter"), ("group_name", "group")):
+            value = getattr(request, attr, None)
+            if isinstance(value, str):
+                self.tenancy.check(caller, value, what)
+        lease_id = getattr(request, "lease_id", None)
+        if lease_id is not None and lease_id not in self._tenant_leases(caller.tenant):
+            raise NotFound("no open lease with this id: it expired, was committed or "
+                           "cancelled, or was never granted", code="unknown_lease")
+        if pushes:
+            self.tenancy.count_push(caller)
+
+    async def tenant_call(self, handler, request, ctx: ServerContext, caller: Caller):
+        """A transport route that is not a push (a lease, a group's set-up or end), for
+        `caller`: its quotas on leases, staging bytes and groups are checked under one lock
+        per tenant (two requests of one tenant cannot both take its last lease), and what
+        it gets is written down as its own."""
+        is_lease = hasattr(request, "nbytes") and hasattr(request, "client")
+        self.gate(caller, request, ctx, pushes=is_lease)
+        tenant = caller.tenant
+        if tenant is None or not (is_lease or hasattr(request, "master_port")):
+            return await handler(request, ctx)
+        async with self._locks.hold(f"tenant:{tenant.name}"):  # ':' is in no adapter name
+            if is_lease:
+                held = self._tenant_leases(tenant)
+                if len(held) >= tenant.quotas.leases:
+                    raise TooBusy(f"tenant {tenant.name!r} has {len(held)} open leases (its "
+                                  "max_leases quota); commit or cancel one first",
+                                  code="quota_leases")
+                self.tenancy.check_staging(tenant, self._leases(), request.nbytes)
+                reply = await handler(request, ctx)
+                self.tenancy.leases[reply["lease_id"]] = tenant.name
+                return reply
+            status = await self.workers.status()  # set-ups still timing out count too
+            held = [g for g in status[0].get("groups", []) if tenant.covers(g)]
+            if len(held) >= tenant.quotas.groups:
+                raise TooBusy(f"tenant {tenant.name!r} has {len(held)} update groups (its "
+                              "max_groups quota); destroy one first", code="quota_groups")
+            return await handler(request, ctx)
+
+    # -- the alias: rollback and pinning ---------------------------------------------------
+    async def point_alias(self, body: dict, caller: Caller = OPERATOR) -> dict:
+        """Points a name's alias at one of its retained versions (a rollback), at once for
+        every request admitted after it; requests admitted before finish on the version
+        they got. `pin`: pushes leave it there (and keep that version) until it is pointed
+        again; `version` null: back to following the newest version."""
+        name = naming.check_name(body.get("lora_name"))
+        raw = body.get("version")
+        version = None if raw is None else naming.parse_version(raw)
+        pin = body.get("pin", False)
+        if not isinstance(pin, bool):
+            raise BadRequest("pin must be true or false", code="bad_request")
+        self.tenancy.check(caller, name)
+        async with self._locks.hold(name):
+            if self.book.latest(name) is None:
+                raise hide(name)
+            try:
+                target = self.book.point(name, version, pin and version is not None)
+            except KeyError:
+                raise NotFound(f"{naming.versioned(name, version)} is not a retained version; "
+                               f"versions available: {self.book.versions.get(name, [])}",
+                               code="version_retired") from None
+            metrics.state_changed()
+        return {"lora_name": name, "version": target,
+                "alias_target": naming.versioned(name, target),
+                "pinned": name in self.book.pinned}
+
+    def list_adapters(self, caller: Caller = OPERATOR) -> dict:
         """Per name: its servable versions (and retired ones requests still run on), the
-        alias target, requests in flight, and the versions still being freed."""
+        alias target, requests in flight, and the versions still being freed. A tenant
+        sees its own names only."""
         out = {}
         for rec in self.records.values():
+            if not self.tenancy.sees(caller, rec.name):
+                continue
             entry = out.setdefault(rec.name, {"name": rec.name, "alias_target": None,
                                               "versions": [], "inflight": 0, "draining": []})
             if rec.retired:
@@ -483,8 +649,11 @@ class AdapterService:
                 # paths and leases stay inside (asdict would deep-copy the hold too)
                 entry["versions"].append({f.name: getattr(rec, f.name) for f in fields(rec)
                                           if f.name != "hold"})
-            latest = self.book.latest(rec.name)
-            entry["alias_target"] = naming.versioned(rec.name, latest) if latest else None
+            target = self.book.alias(rec.name)
+            entry["alias_target"] = naming.versioned(rec.name, target) if target else None
+            entry["pinned"] = rec.name in self.book.pinned
             entry["inflight"] += rec.inflight
-        return {"adapters": list(out.values()), "keep_versions": self.settings.keep_versions}
+        keep = caller.tenant.quotas.keep_versions if caller.tenant is not None \
+            else self.settings.keep_versions
+        return {"adapters": list(out.values()), "keep_versions": keep}
 

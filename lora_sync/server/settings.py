@@ -60,6 +60,8 @@ SETTINGS = (
             doc="read pushed bodies from the socket instead of through uvicorn"),
     Setting("LORA_SYNC_SHM_DIR", "shm_dir", str, "/dev/shm",
             doc="where the API process makes its private staging directory (a tmpfs)"),
+    Setting("LORA_SYNC_TENANTS", "tenants_file", str, None,
+            doc="a TOML file of tenants: per-tenant keys, name scopes and quotas"),
 )
 BY_ENV = {s.env: s for s in SETTINGS}
 
@@ -110,6 +112,8 @@ class Settings:
     check_finite: bool = False
     socket_body: bool = True
     shm_dir: str = "/dev/shm"
+    tenants_file: str | None = None
+    tenants: tuple = ()              # tenants.Tenant, read from tenants_file at start-up
     engine_has_key: bool = False     # the engine guards generation with its own key
     generation_keys: tuple = ()      # the engine's keys (for routes its middleware skips)
 
@@ -126,6 +130,13 @@ class Settings:
         settings = cls(**values, engine_has_key=engine_has_key)
         if settings.api_key is None:
             settings.api_key = engine_admin_key
+        if settings.tenants_file is not None:
+            from .tenants import check_fits, load_tenants
+            if settings.api_key is None:  # else anyone would be the operator
+                raise RuntimeError("lora-sync setting LORA_SYNC_TENANTS needs "
+                                   "LORA_SYNC_API_KEY, the operator's key")
+            settings.tenants = load_tenants(settings.tenants_file, settings.api_key)
+            check_fits(settings.tenants_file, settings.tenants, settings)
         if settings.socket_body:
             from .socket_body import check
             check()  # fails at start-up on a uvicorn we did not check

@@ -4,6 +4,7 @@
     lora-sync --server URL1 --server URL2 ls
     lora-sync --server URL info
     lora-sync --server URL1 --server URL2 resync ./adapter_dir --name policy
+    lora-sync --server URL rollback policy 3 [--pin]     (VERSION 'newest': follow pushes again)
 
 Servers also come from LORA_SYNC_SERVERS (URLs separated by commas and/or whitespace), the
 key from LORA_SYNC_API_KEY. The engine of each server is found by asking it (vLLM serves our
@@ -83,6 +84,17 @@ class UsageError(Exception):
     pass
 
 
+def check_rollback_args(args) -> None:
+    try:
+        naming.check_name(args.name)
+        args.version_number = None if args.version == "newest" \
+            else naming.parse_version(args.version)
+    except LoRASyncError as e:
+        raise UsageError(e.message) from None
+    if args.pin and args.version == "newest":
+        raise UsageError("--pin needs a version number")
+
+
 def read_adapter(path: str):
     from safetensors import SafetensorError
 
@@ -135,10 +147,13 @@ def cmd_ls(client: LoRASyncClient, args, failed: dict) -> list[str]:
                                       failed, lines):
         lines.append(f"{server.url}  (instance {(listing.instance_id or '?')[:12]}, "
                      f"keeps {listing.keep_versions} versions per name)")
+        pinned = {a.get("name") for a in listing.raw.get("adapters", [])
+                  if isinstance(a, dict) and a.get("pinned") is True}
         for entry in listing.adapters:
             versions = ", ".join(f"{v.served_name} ({v.inflight} in flight)"
                                  for v in entry.versions)
-            lines.append(f"  {entry.name} -> {entry.alias_target}: {versions or '-'}"
+            pin = " (pinned)" if entry.name in pinned else ""
+            lines.append(f"  {entry.name} -> {entry.alias_target}{pin}: {versions or '-'}"
                          + (f"; draining {list(entry.draining)}" if entry.draining else ""))
         if not listing.adapters:
             lines.append("  (no adapters)")
@@ -181,7 +196,24 @@ def cmd_resync(client: LoRASyncClient, args, failed: dict) -> list[str]:
     return lines
 
 
-COMMANDS = {"push": cmd_push, "ls": cmd_ls, "info": cmd_info, "resync": cmd_resync}
+def cmd_rollback(client: LoRASyncClient, args, failed: dict) -> list[str]:
+    """Points the alias at VERSION on every server (the servers' own check: a version they
+    no longer hold is refused, naming the ones they do)."""
+    version = None if args.version == "newest" else args.version_number
+    body = {"lora_name": args.name, "version": version, "pin": args.pin}
+
+    def point(server: Server) -> dict:
+        return http.call("POST", server.route("lora_sync_alias"), json_body=body,
+                         headers=client.headers, timeout=client.timeout)[0]
+    lines = []
+    for server, reply in per_server(client, point, failed, lines):
+        lines.append(f"{server.url}  {reply.get('lora_name')} -> {reply.get('alias_target')}"
+                     + (" (pinned)" if reply.get("pinned") else ""))
+    return lines
+
+
+COMMANDS = {"push": cmd_push, "ls": cmd_ls, "info": cmd_info, "resync": cmd_resync,
+            "rollback": cmd_rollback}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -204,7 +236,13 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("--version", type=int, help="default: the next after the newest")
             c.add_argument("--transport", default="auto",
                            choices=["auto", *(n for n, t in TRANSPORTS.items() if t.per_server)])
-    sub.add_parser("ls", help="versions, alias and requests in flight per name")
+    sub.add_parser("ls", help="versions, alias and requests in flight per name (a tenant's "
+                              "key: its own names)")
+    c = sub.add_parser("rollback", help="point NAME's alias at a version the servers hold")
+    c.add_argument("name")
+    c.add_argument("version", help="a version number, or 'newest' to follow pushes again")
+    c.add_argument("--pin", action="store_true",
+                   help="keep the alias there across pushes (until the next rollback)")
     sub.add_parser("info", help="workers, limits and instance id of each server")
     return p
 
@@ -217,6 +255,8 @@ def main(argv=None) -> int:
     try:
         if args.command in ("push", "resync"):
             args.adapter = read_adapter(args.dir)  # bad input: nothing is sent anywhere
+        if args.command == "rollback":
+            check_rollback_args(args)
         servers = find_servers(args, failed)
         if servers:
             # One command, then exit: no lease to ready for a next push.

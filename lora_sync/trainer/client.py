@@ -15,7 +15,8 @@ from ..engines import engine
 from ..errors import LoRASyncError, PushFailed, TooBusy
 from .fleet import FleetMemory, Newest
 from ..transports import TRANSPORTS, broadcast
-from ..transports.base import PackedCopy, PushResult, SendContext, Server, Transport
+from ..transports.base import PackedCopy, PushResult, SendContext, Server, Transport, \
+    with_protocol
 from ..transports.ready_lease import ReadyLeases
 from ..transports.shm import LeaseRefused
 
@@ -85,7 +86,7 @@ class LoRASyncClient:
         if isinstance(servers, (str, Server)):
             servers = [servers]
         self.servers = [s if isinstance(s, Server) else Server(s, engine) for s in servers]
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = with_protocol({"Authorization": f"Bearer {api_key}"} if api_key else {})
         self.timeout = timeout
         # Listings before a push (numbering, resync): small JSON, so a hung server is given
         # up on sooner, and leaves most of the call's time to the push itself.
@@ -414,6 +415,19 @@ class LoRASyncClient:
         return self._each(lambda s: http.call("POST", s.route("retire_lora_adapter"),
                                               json_body={"lora_name": name},
                                               headers=self.headers, timeout=self.timeout)[0],
+                          self._deadline())
+
+    def rollback(self, name: str, version: int | None, pin: bool = False) -> list[dict]:
+        """Points `name`'s alias at `version` (one the servers still hold) on every server:
+        requests on `name` admitted from then on get that version, requests running finish
+        on theirs. The next push moves the alias to the new version, unless `pin` (then it
+        stays, and that version is kept, until rollback is called again); `version` None
+        makes the alias follow the newest version again. Per server: {'lora_name',
+        'version', 'alias_target', 'pinned'}."""
+        body = {"lora_name": name, "version": version, "pin": pin}
+        return self._each(lambda s: http.call("POST", s.route("lora_sync_alias"),
+                                              json_body=body, headers=self.headers,
+                                              timeout=self.timeout)[0],
                           self._deadline())
 
     def adapters(self) -> list[dict]:

@@ -1,0 +1,719 @@
+"""Shared servers: tenants with their own keys, name scopes and quotas (lora_sync/server/
+tenants.py), rollback and pinning of an alias. In process on the FAKE engine (engine_fakes.py:
+the real routes, admission, service and dispatcher), then one short test per real engine.
+
+Three tenants share the server with the operator (LORA_SYNC_API_KEY):
+  alice  prefix "alice-"                       generate: own
+  bob    prefix "bob-"                         generate: own
+  carol  prefix "carol-" and the name "shared-eval"   generate: all
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from lora_sync import LoRASyncClient, LoRASyncError, http
+from lora_sync.server.tenants import Tenancy, load_tenants
+
+from .conftest import API_KEY, PROMPT, SERVER_ENV
+from .engine_fakes import FakeEngineServer, served_text, settings_like_test_servers
+from .helpers import wait_until
+
+KEYS = {"alice": "key-alice", "bob": "key-bob", "carol": "key-carol", "operator": API_KEY}
+QUOTA_NAMES, QUOTA_LEASES, KEEP = 2, 2, 2
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenants_toml(pushes_per_minute: int = 10_000) -> str:
+    quotas = (f"max_names = {QUOTA_NAMES}\nkeep_versions = {KEEP}\nmax_staging_mb = 1.5\n"
+              f"max_leases = {QUOTA_LEASES}\nmax_groups = 1\n"
+              f"pushes_per_minute = {pushes_per_minute}\n")
+    return textwrap.dedent(f"""\
+        # three training runs on one fleet
+        [tenants.alice]
+        key_sha256 = "{sha(KEYS['alice'])}"
+        prefix = "alice-"
+        generate = "own"
+        """) + quotas + textwrap.dedent(f"""
+        [tenants.bob]
+        key_sha256 = "{sha(KEYS['bob'])}"
+        prefix = "bob-"
+        """) + quotas + textwrap.dedent(f"""
+        [tenants.carol]
+        key_sha256 = "{sha(KEYS['carol'])}"
+        prefix = "carol-"
+        names = ["shared-eval"]
+        generate = "all"
+        """) + quotas
+
+
+def write_tenants(directory, text: str) -> str:
+    path = os.path.join(directory, "tenants.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def tenant_settings(path: str):
+    return settings_like_test_servers(env={"LORA_SYNC_TENANTS": path})
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A fake-engine server shared by the three tenants and the operator."""
+    path = write_tenants(tmp_path_factory.mktemp("tenants"), tenants_toml())
+    with FakeEngineServer(settings=tenant_settings(path)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def adapters(make_adapter):
+    return [make_adapter(seed=4500 + i) for i in range(6)]
+
+
+def client(server, who: str, **kw) -> LoRASyncClient:
+    """A fresh client (no memory of versions) for `who` (a tenant, the operator, or a
+    key nobody has)."""
+    return LoRASyncClient(server.url, api_key=KEYS.get(who, who), timeout=30,
+                          lease_ahead=False, **kw)
+
+
+def auth(who: str) -> dict:
+    key = KEYS.get(who, who)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def post(server, route: str, who: str, body: dict):
+    return http.request("POST", f"{server.url}/v1/{route}", headers=auth(who), json_body=body)
+
+
+def complete(server, who: str, model: str, headers=None, **extra):
+    return http.request("POST", f"{server.url}/v1/completions",
+                        headers={**auth(who), **(headers or {})},
+                        json_body={"model": model, "prompt": PROMPT, "max_tokens": 4, **extra})
+
+
+def names_seen(server, who: str) -> set[str]:
+    with client(server, who) as c:
+        return {a["name"] for a in c.adapters()[0]["adapters"]}
+
+
+@pytest.fixture(autouse=True)
+def clean(shared):
+    yield
+    clear(shared)
+
+
+def clear(server) -> None:
+    """Every name retired and drained, every open lease gone (the fixture's server is
+    shared by the tests of this module)."""
+    with client(server, "operator") as op:
+        for entry in op.adapters()[0]["adapters"]:
+            try:
+                op.retire(entry["name"])
+            except LoRASyncError:
+                pass
+        wait_until(lambda: not op.adapters()[0]["adapters"], what="every name drained")
+    server.service.contexts["shm"].state.close()
+    assert not server.bridge.violations, server.bridge.violations
+
+
+def error(reply) -> tuple[int, str | None]:
+    status, body, _ = reply
+    err = body.get("error") if isinstance(body, dict) else None
+    return status, err.get("code") if isinstance(err, dict) else None
+
+
+# -- the file --------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, says", [
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\n[tenants.a]\nprefix = 'b-'\n", "line 4"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\n"
+     "[tenants.b]\nkey_sha256 = '{a}'\nprefix = 'b-'\n", "same key"),
+    ("[tenants.a]\nkey_sha256 = '{op}'\nprefix = 'a-'\n", "operator"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'team-'\n"
+     "[tenants.b]\nkey_sha256 = '{b}'\nprefix = 'TEAM-b-'\n", "overlap"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\n"
+     "[tenants.b]\nkey_sha256 = '{b}'\nnames = ['A-eval']\n", "overlap"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = ''\n", "empty prefix"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'alice'\n", "ending in"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\n", "no scope"),
+    ("[tenants.a]\nkey_sha256 = 'secret'\nprefix = 'a-'\n", "64 lowercase hex"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\nmax_leases = 0\n", "max_leases"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\nmax_staging_mb = 1\nmax_leases = 9\n",
+     "leases quotas add up"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\ngenerate = 'every'\n", "generate"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\nquota = 3\n", "unknown key"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\nmax_staging_mb = 7\n", "total"),
+    ("[tenants.a]\nkey_sha256 = '{a}'\nprefix = 'a-'\nmax_staging_mb = 1\nkeep_versions = 4\n",
+     "KEEP_VERSIONS"),
+    ("[tenants.a\nkey_sha256 = 1\n", "line 1"),
+    ("[server]\nx = 1\n", "one [tenants"),
+])
+def test_a_bad_tenants_file_stops_the_server_naming_why(tmp_path, text, says):
+    path = write_tenants(tmp_path, text.format(a=sha("ka"), b=sha("kb"), op=sha(API_KEY)))
+    with pytest.raises(RuntimeError, match="LORA_SYNC_TENANTS") as e:
+        tenant_settings(path)
+    assert says in str(e.value)
+
+
+def test_tenants_need_the_operators_key(tmp_path):
+    path = write_tenants(tmp_path, tenants_toml())
+    with pytest.raises(RuntimeError, match="LORA_SYNC_API_KEY"):
+        settings_like_test_servers(env={"LORA_SYNC_TENANTS": path, "LORA_SYNC_API_KEY": ""})
+
+
+def test_the_example_file_loads(tmp_path):
+    tenants = load_tenants(write_tenants(tmp_path, tenants_toml()), API_KEY)
+    assert [t.name for t in tenants] == ["alice", "bob", "carol"]
+    carol = tenants[2]
+    assert carol.covers("shared-eval") and carol.covers("carol-x") and carol.covers("CAROL-x")
+    assert not carol.covers("carolx") and not carol.covers("shared-eval2")
+
+
+def test_keys_resolve_to_their_tenant_and_nothing_else():
+    t = Tenancy(tuple(load_tenants_from_text(tenants_toml())), API_KEY)
+    assert t.resolve(f"Bearer {KEYS['bob']}").label == "bob"
+    assert t.resolve(f"bearer {KEYS['bob']}").label == "bob"
+    assert t.resolve(f"Bearer {API_KEY}").kind == "operator"
+    for wrong in (None, "", "Bearer", f"Bearer {KEYS['bob']}x", KEYS["bob"],
+                  f"Bearer {sha(KEYS['bob'])}"):
+        assert t.resolve(wrong).kind == "anonymous", wrong
+
+
+def load_tenants_from_text(text: str):
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        return load_tenants(write_tenants(d, text), API_KEY)
+
+
+# -- attacks: A's key on B's names, on every route ---------------------------------------------
+def test_a_tenants_key_on_another_tenants_names_gets_not_found_everywhere(shared, adapters):
+    """bob's names through alice's key, on every route and in every form a name takes: the
+    same 404 as a name that does not exist, and bob's state unchanged."""
+    with client(shared, "bob") as bob:
+        bob.push(adapters[0], "bob-policy", transport="tensors")
+        bob.push(adapters[1], "bob-policy", transport="tensors")
+    before = {"listing": names_seen(shared, "bob"), "text": served_text(adapters[1])}
+    absent_reply = error(post(shared, "retire_lora_adapter", "alice", {"lora_name": "alice-nope"}))
+    assert absent_reply == (404, "not_found")
+    for name in ("bob-policy", "BOB-policy", "Bob-Policy", "bob-nothing"):
+        assert error(post(shared, "retire_lora_adapter", "alice", {"lora_name": name})) == \
+            absent_reply
+        assert error(post(shared, "lora_sync_alias", "alice",
+                          {"lora_name": name, "version": 1})) == absent_reply
+    with client(shared, "alice") as alice:
+        for name in ("bob-policy", "BOB-policy"):
+            for transport in ("tensors", "shm"):
+                with pytest.raises(LoRASyncError) as e:
+                    alice.push(adapters[2], name, transport=transport)
+                assert (e.value.status, e.value.code) == absent_reply
+        assert "bob-policy" not in {a["name"] for a in alice.adapters()[0]["adapters"]}
+    # generation: alias, version, case variants, lora_path, SageMaker header; a name that is
+    # not there gets the very same reply
+    nobody = error(complete(shared, "alice", "bob-nothing-at-all"))
+    assert nobody == (404, "model_not_found")
+    for model, extra, headers in [
+            ("bob-policy", {}, None), ("bob-policy-v1", {}, None), ("bob-policy-v2", {}, None),
+            ("BOB-policy", {}, None), ("bob-POLICY-v2", {}, None),
+            ("base", {"lora_path": "bob-policy"}, None),
+            ("base", {"lora_path": ["bob-policy-v2"]}, None),
+            ("base", {"parameters": {"lora_path": "bob-policy"}}, None),
+            ("base", {}, {"X-Amzn-SageMaker-Adapter-Identifier": "bob-policy"})]:
+        for who in ("alice", "nobody-key", ""):
+            assert error(complete(shared, who, model, headers, **extra)) == nobody, \
+                (who, model, extra)
+    # the engine's own adapter routes are the operator's
+    assert error(post(shared, "load_lora_adapter", "alice",
+                      {"lora_name": "x", "lora_path": "/tmp"})) == (403, "forbidden")
+    assert error(post(shared, "unload_lora_adapter", "alice",
+                      {"lora_name": "bob-policy-v1"}))[0] == 403
+    # /v1/models: bob's names are not listed to alice or to no key
+    for who in ("alice", ""):
+        status, body, _ = http.request("GET", f"{shared.url}/v1/models", headers=auth(who))
+        assert status == 200 and not any(m["id"].startswith("bob-") for m in body["data"])
+    status, body, _ = http.request("GET", f"{shared.url}/v1/models", headers=auth("bob"))
+    assert {"bob-policy-v1", "bob-policy-v2"} <= {m["id"] for m in body["data"]}
+    # nothing of bob's changed
+    assert names_seen(shared, "bob") == before["listing"]
+    status, body, headers = complete(shared, "bob", "bob-policy")
+    assert status == 200 and body["choices"][0]["text"] == before["text"]
+    # carol (generate: all) and the operator may generate on it; they see it in listings
+    # only where they own it (carol) or over everything (operator)
+    assert complete(shared, "carol", "bob-policy")[0] == 200
+    assert "bob-policy" not in names_seen(shared, "carol")
+    assert "bob-policy" in names_seen(shared, "operator")
+
+
+def test_a_timing_probe_learns_nothing(shared, adapters):
+    """'Not yours' and 'not there' take one code path: the same reply, and times that a
+    probe cannot tell apart (the median of each within 2 ms of the other)."""
+    with client(shared, "bob") as bob:
+        bob.push(adapters[0], "bob-secret", transport="tensors")
+
+    def times(name: str) -> list[float]:
+        out = []
+        for _ in range(40):
+            t0 = time.perf_counter()
+            reply = post(shared, "retire_lora_adapter", "alice", {"lora_name": name})
+            out.append(time.perf_counter() - t0)
+            assert error(reply) == (404, "not_found")
+        return sorted(out)
+    there, absent = times("bob-secret"), times("bob-absent")
+    assert abs(there[20] - absent[20]) < 2e-3, (there[20], absent[20])
+    assert "bob-secret" in names_seen(shared, "bob")
+
+
+def test_quota_exhaustion_by_one_tenant_leaves_the_others_pushing(shared, adapters):
+    """alice takes all she may (names, leases, staging bytes): refused by the quota that
+    says so (429, before a byte is staged), while bob still pushes on every transport."""
+    with client(shared, "alice") as alice:
+        for i in range(QUOTA_NAMES):
+            alice.push(adapters[i], f"alice-n{i}", transport="tensors")
+        with pytest.raises(LoRASyncError) as e:
+            alice.push(adapters[3], "alice-one-more", transport="tensors")
+        assert (e.value.status, e.value.code) == (429, "quota_names")
+        alice.push(adapters[4], "alice-n0", transport="shm")  # a held name: fine
+    leases = [post(shared, "lora_sync_lease", "alice", {"nbytes": 4096, "client": f"id{i}"})
+              for i in range(QUOTA_LEASES + 3)]  # the client label is no identity
+    assert [r[0] for r in leases] == [200] * QUOTA_LEASES + [429] * 3
+    assert error(leases[-1]) == (429, "quota_leases")
+    # staging bytes: a body above what alice has left is refused from its Content-Length
+    status, body, _ = http.request(
+        "POST", f"{shared.url}/v1/load_lora_adapter_from_tensors",
+        headers={**auth("alice"), "Content-Type": "application/octet-stream"},
+        chunks=[b"\0" * (2 << 20)])
+    assert (status, body["error"]["code"]) == (429, "quota_staging")
+    # alice's lease is hers alone: bob cannot cancel, renew or commit it
+    ticket = {k: leases[0][1][k] for k in ("lease_id", "token")}
+    for route in ("lora_sync_lease_cancel", "lora_sync_lease_renew",
+                  "load_lora_adapter_from_lease"):
+        assert error(post(shared, route, "bob", ticket)) == (404, "unknown_lease")
+    with client(shared, "bob") as bob:
+        for transport in ("tensors", "shm", "tensors"):
+            assert bob.push(adapters[5], "bob-works", transport=transport)[0].ok
+        bob.push(adapters[5], "bob-second", transport="shm")
+    info = client(shared, "alice").info()[0]
+    assert info["tenant"]["usage"]["names"] == QUOTA_NAMES
+    assert info["open_leases"] == QUOTA_LEASES and info["max_names"] == QUOTA_NAMES
+
+
+def test_push_rate_quota(tmp_path, make_adapter):
+    path = write_tenants(tmp_path, tenants_toml(pushes_per_minute=2))
+    with FakeEngineServer(settings=tenant_settings(path)) as server, \
+            client(server, "alice") as alice, client(server, "bob") as bob:
+        adapter = make_adapter(seed=4600)
+        alice.push(adapter, "alice-r", transport="tensors")
+        alice.push(adapter, "alice-r", transport="tensors")
+        with pytest.raises(LoRASyncError) as e:
+            alice.push(adapter, "alice-r", transport="tensors")
+        assert (e.value.status, e.value.code) == (429, "quota_pushes")
+        assert bob.push(adapter, "bob-r", transport="tensors")[0].version == 1
+        clear(server)
+
+
+def test_a_broadcast_group_is_its_tenants_alone(shared, adapters):
+    """Groups are named in their tenant's scope: bob cannot name alice's group, token or
+    not (the reply of a group that does not exist), nor take her group quota."""
+    with client(shared, "alice") as alice, client(shared, "bob") as bob:
+        with pytest.raises(LoRASyncError) as e:
+            alice.init_group(timeout_s=10)  # "default": in nobody's scope
+        assert e.value.code == "no_group"
+        group = alice.init_group(group_name="alice-g", timeout_s=10)
+        token = group.tokens[shared.url]
+        for route, body in [("destroy_lora_update_group", {}),
+                            ("load_lora_adapter_from_distributed",
+                             {"lora_name": "bob-x", "tensors": [], "transfer_id": 1})]:
+            assert error(post(shared, route, "bob", {**body, "group_name": "alice-g",
+                                                     "group_token": token})) == (400, "no_group")
+        assert error(post(shared, "init_lora_update_group", "bob",
+                          {"group_name": "alice-g", "master_address": "127.0.0.1",
+                           "master_port": 1, "rank_offset": 1, "world_size": 2})) == \
+            (400, "no_group")
+        with pytest.raises(LoRASyncError) as e:
+            LoRASyncClient(shared.url, api_key=KEYS["alice"], timeout=30,
+                           lease_ahead=False).init_group(group_name="alice-h", timeout_s=10)
+        assert (e.value.status, e.value.code) == (429, "quota_groups")
+        alice.broadcast(adapters[0], "alice-b")
+        bob.init_group(group_name="bob-g", timeout_s=10)
+        bob.broadcast(adapters[1], "bob-b")
+        assert client(shared, "bob").info()[0]["worker_status"][0]["groups"] == ["bob-g"]
+        bob.destroy_group()
+        alice.destroy_group()
+    assert complete(shared, "alice", "alice-b")[1]["choices"][0]["text"] == \
+        served_text(adapters[0])
+
+
+# -- rollback and pinning ----------------------------------------------------------------------
+def test_rollback_points_the_alias_and_the_next_push_moves_it(shared, adapters):
+    with client(shared, "alice") as alice:
+        for i in range(2):
+            alice.push(adapters[i], "alice-rl", transport="tensors")
+        [reply] = alice.rollback("alice-rl", 1)
+        assert (reply["alias_target"], reply["pinned"]) == ("alice-rl-v1", False)
+        assert alice.complete(PROMPT, "alice-rl")["version"] == 1
+        entry = alice.adapters()[0]["adapters"][0]
+        assert (entry["alias_target"], entry["pinned"]) == ("alice-rl-v1", False)
+        alice.push(adapters[2], "alice-rl", transport="tensors")  # unpinned: moves to v3
+        assert alice.complete(PROMPT, "alice-rl")["version"] == 3
+        # pinned: pushes leave it, and keep v2 beyond the window of 2
+        alice.rollback("alice-rl", 2, pin=True)
+        for i in (3, 4):
+            alice.push(adapters[i], "alice-rl", transport="tensors")
+        done = alice.complete(PROMPT, "alice-rl")
+        assert (done["version"], done["text"]) == (2, served_text(adapters[1]))
+        entry = alice.adapters()[0]["adapters"][0]
+        assert sorted(v["version"] for v in entry["versions"]) == [2, 4, 5]
+        assert entry["pinned"] is True
+        with pytest.raises(LoRASyncError) as e:
+            alice.rollback("alice-rl", 3)  # out of the window by now
+        assert (e.value.status, e.value.code) == (404, "version_retired")
+        alice.rollback("alice-rl", None)  # follow the newest again
+        assert alice.complete(PROMPT, "alice-rl")["version"] == 5
+
+
+def test_rollback_is_atomic_under_load(shared, adapters):
+    """Requests on the alias run without pause while it is pointed back and forth between
+    two versions: none fails, each reply is its version's weights, and every request sent
+    after a rollback's reply (and answered before the next rollback was sent) got its
+    target."""
+    with client(shared, "alice") as alice:
+        alice.push(adapters[0], "alice-live", transport="tensors")
+        alice.push(adapters[1], "alice-live", transport="tensors")
+    texts = {1: served_text(adapters[0]), 2: served_text(adapters[1])}
+    records, stop = [], threading.Event()
+    lock = threading.Lock()
+
+    def load():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            status, body, headers = complete(shared, "alice", "alice-live", fake_delay_s=0.01)
+            version = headers.get("x-lora-version")
+            ok = status == 200 and version in ("1", "2") \
+                and body["choices"][0]["text"] == texts[int(version)]
+            with lock:
+                records.append((t0, time.monotonic(), int(version) if ok else None))
+    flips = []
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(load) for _ in range(8)]
+        time.sleep(0.3)
+        with client(shared, "alice") as alice:
+            for i in range(12):
+                target = 1 if i % 2 == 0 else 2
+                t0 = time.monotonic()
+                alice.rollback("alice-live", target)
+                flips.append((t0, time.monotonic(), target))
+                time.sleep(0.15)
+        stop.set()
+        for f in futures:
+            f.result()
+    failed = [r for r in records if r[2] is None]
+    wrong = 0
+    for k, (_, replied, target) in enumerate(flips):
+        next_call = flips[k + 1][0] if k + 1 < len(flips) else float("inf")
+        # sent after this rollback's reply, answered before the next one was sent
+        wrong += sum(1 for t0, t1, v in records if replied < t0 and t1 < next_call
+                     and v != target)
+    print(f"rollback under load: {len(records)} requests, {len(flips)} rollbacks, "
+          f"{len(failed)} failed, {wrong} on a stale target")
+    assert len(records) > 100 and not failed and wrong == 0
+
+
+def test_cli_rollback_and_ls_show_the_callers_view(shared, adapters, capsys):
+    from lora_sync.trainer import cli
+    with client(shared, "bob") as bob:
+        bob.push(adapters[0], "bob-cli", transport="tensors")
+        bob.push(adapters[1], "bob-cli", transport="tensors")
+    with client(shared, "alice") as alice:
+        alice.push(adapters[2], "alice-cli", transport="tensors")
+    base = ["--server", shared.url, "--engine", "vllm", "--api-key", KEYS["bob"]]
+    assert cli.main(base + ["rollback", "bob-cli", "1", "--pin"]) == 0
+    assert "bob-cli -> bob-cli-v1 (pinned)" in capsys.readouterr().out
+    assert cli.main(base + ["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "bob-cli -> bob-cli-v1 (pinned)" in out and "alice-cli" not in out
+    assert cli.main(base + ["rollback", "alice-cli", "1"]) == 1
+    assert "not_found" in capsys.readouterr().err
+    assert cli.main(base + ["rollback", "bob-cli", "v1"]) == 2
+
+
+def test_without_a_tenants_file_nothing_changes(fake_server, fake_client, adapters):
+    """The operator's key alone: all names, the alias route, listings as before."""
+    c = fake_client
+    c.push(adapters[0], "plain", transport="tensors")
+    c.push(adapters[1], "plain", transport="tensors")
+    assert c.rollback("plain", 1)[0]["alias_target"] == "plain-v1"
+    assert c.complete(PROMPT, "plain")["version"] == 1
+    info = c.info()[0]
+    assert "tenant" not in info and not fake_server.service.tenancy.enabled
+    c.retire("plain")
+
+
+# -- the invariant fuzz ------------------------------------------------------------------------
+WHO = ("alice", "bob", "carol", "operator")
+NAMES = ("alice-a", "alice-b", "alice-c", "bob-a", "carol-a", "shared-eval", "op-a",
+         "alice_a", "alicea", "shared-eval2", "BOB-a")  # the last four: just outside a scope
+
+
+class SharedServer(RuleBasedStateMachine):
+    """Random operations by three tenants and the operator; the model says what each
+    should see, and every reply and listing is checked against it."""
+    server: FakeEngineServer = None
+    adapters: list = []
+
+    def __init__(self):
+        super().__init__()
+        clear(self.server)
+        self.tenancy = self.server.service.tenancy
+        self.versions: dict[str, dict[int, int]] = {}  # name -> version -> adapter index
+        self.alias: dict[str, int] = {}
+        self.pinned: set[str] = set()
+
+    def owner(self, name: str):
+        t = self.tenancy.owner_of(name)
+        return t.name if t else None
+
+    def sees(self, who: str, name: str) -> bool:
+        return who == "operator" or self.owner(name) == who
+
+    def keep(self, name: str) -> int:
+        return KEEP if self.owner(name) else int(SERVER_ENV["LORA_SYNC_KEEP_VERSIONS"])
+
+    @rule(who=st.sampled_from(WHO), name=st.sampled_from(NAMES),
+          transport=st.sampled_from(["tensors", "shm"]), pick=st.integers(0, 5))
+    def push(self, who, name, transport, pick):
+        owned = [n for n in self.versions if self.owner(n) == self.owner(name)]
+        with client(self.server, who) as c:
+            try:
+                [r] = c.push(self.adapters[pick], name, transport=transport)
+            except LoRASyncError as e:
+                if not self.sees(who, name):
+                    assert (e.status, e.code) == (404, "not_found"), e
+                else:
+                    assert self.owner(name) and name not in self.versions and \
+                        len(owned) >= QUOTA_NAMES, e
+                    assert (e.status, e.code) == (429, "quota_names")
+                return
+        assert self.sees(who, name)
+        assert not (self.owner(name) and name not in self.versions and len(owned) >= QUOTA_NAMES)
+        held = self.versions.setdefault(name, {})
+        assert r.name == f"{name}-v{r.version}" and r.version > max(held, default=0)
+        held[r.version] = pick
+        if name not in self.pinned:
+            self.alias[name] = r.version
+        window = sorted(held)[-self.keep(name):]
+        for v in list(held):
+            if v not in window and not (name in self.pinned and v == self.alias[name]):
+                del held[v]
+
+    @rule(who=st.sampled_from(WHO), name=st.sampled_from(NAMES))
+    def retire(self, who, name):
+        reply = post(self.server, "retire_lora_adapter", who, {"lora_name": name})
+        if self.sees(who, name) and name in self.versions:
+            assert reply[0] == 200, reply
+            del self.versions[name]
+            self.alias.pop(name, None)
+            self.pinned.discard(name)
+            with client(self.server, "operator") as op:  # its numbering starts again once drained
+                wait_until(lambda: name not in {a["name"] for a in op.adapters()[0]["adapters"]},
+                           what=f"{name} drained")
+        else:
+            assert error(reply) == (404, "not_found"), reply
+
+    @rule(who=st.sampled_from(WHO), name=st.sampled_from(NAMES), back=st.integers(0, 3),
+          pin=st.booleans())
+    def rollback(self, who, name, back, pin):
+        held = sorted(self.versions.get(name, {}))
+        version = held[-1 - back] if back < len(held) else (held[0] - 1 if held else 1) or 1
+        reply = post(self.server, "lora_sync_alias", who,
+                     {"lora_name": name, "version": version, "pin": pin})
+        if not self.sees(who, name) or name not in self.versions:
+            assert error(reply) == (404, "not_found"), reply
+        elif version not in held:
+            assert error(reply) == (404, "version_retired"), reply
+        else:
+            assert reply[0] == 200 and reply[1]["alias_target"] == f"{name}-v{version}"
+            self.alias[name] = version
+            self.pinned.discard(name)
+            if pin:
+                self.pinned.add(name)
+
+    @rule(who=st.sampled_from(WHO + ("", "wrong-key")), name=st.sampled_from(NAMES),
+          versioned=st.booleans())
+    def generate(self, who, name, versioned):
+        target = self.alias.get(name)
+        model = f"{name}-v{target}" if versioned and target else name
+        status, body, headers = complete(self.server, who, model)
+        owner = self.owner(name)
+        level = {"alice": "own", "bob": "own", "carol": "all"}.get(who)
+        allowed = who == "operator" or (owner is None) or level == "all" or owner == who
+        if target is None or not allowed:
+            assert status == 404, (who, model, status, body)
+            if owner is not None and not allowed:  # never a hint that it exists
+                assert body["error"]["code"] == "model_not_found"
+            return
+        assert status == 200, (who, model, body)
+        assert headers["x-lora-version"] == str(target)
+        assert body["choices"][0]["text"] == served_text(self.adapters[self.versions[name][target]])
+
+    @rule(who=st.sampled_from(("alice", "bob", "carol")), other=st.sampled_from(("alice", "bob")))
+    def leases_to_the_quota(self, who, other):
+        """`who` opens leases up to its quota and one more (refused); meanwhile `other`
+        still gets one and cannot touch `who`'s; all cancelled at the end."""
+        granted = []
+        try:
+            for i in range(QUOTA_LEASES + 1):
+                reply = post(self.server, "lora_sync_lease", who, {"nbytes": 4096,
+                                                                   "client": f"c{i}"})
+                if i < QUOTA_LEASES:
+                    assert reply[0] == 200, reply
+                    granted.append((who, reply[1]))
+                else:
+                    assert error(reply) == (429, "quota_leases")
+            if other != who:
+                reply = post(self.server, "lora_sync_lease", other, {"nbytes": 4096})
+                assert reply[0] == 200, reply
+                granted.append((other, reply[1]))
+                ticket = {k: granted[0][1][k] for k in ("lease_id", "token")}
+                assert error(post(self.server, "lora_sync_lease_cancel", other, ticket)) == \
+                    (404, "unknown_lease")
+        finally:
+            for owner, lease in granted:
+                post(self.server, "lora_sync_lease_cancel", owner,
+                     {k: lease[k] for k in ("lease_id", "token")})
+
+    @rule(key=st.sampled_from(["", "wrong", KEYS["alice"] + " ", sha(KEYS["alice"])]))
+    def wrong_key(self, key):
+        for route in ("retire_lora_adapter", "lora_sync_alias"):
+            assert error(post(self.server, route, key, {"lora_name": "alice-a"}))[0] == 401
+        status, _, _ = http.request("GET", f"{self.server.url}/v1/lora_adapters",
+                                    headers=auth(key))
+        assert status == 401
+
+    @invariant()
+    def listings_are_each_callers_view(self):
+        for who in WHO:
+            with client(self.server, who) as c:
+                listing = c.adapters()[0]["adapters"]
+            seen = {a["name"]: a for a in listing}
+            expected = {n for n in self.versions if self.sees(who, n)}
+            assert set(seen) == expected, (who, set(seen), expected)
+            for name in expected:
+                entry = seen[name]
+                assert {v["version"] for v in entry["versions"]} == set(self.versions[name]), \
+                    (name, entry, self.versions[name])
+                assert entry["alias_target"] == f"{name}-v{self.alias[name]}"
+                assert entry["pinned"] == (name in self.pinned)
+
+    @invariant()
+    def quotas_hold(self):
+        for tenant in self.tenancy.tenants.values():
+            usage = self.server.service.usage(tenant)
+            assert usage["names"] <= tenant.quotas.names
+            assert usage["leases"] <= tenant.quotas.leases
+            assert usage["staging_bytes"] <= tenant.quotas.staging_bytes
+        assert not self.server.bridge.violations, self.server.bridge.violations
+
+
+def test_the_shared_server_fuzz(shared, adapters):
+    SharedServer.server, SharedServer.adapters = shared, adapters
+    runner = SharedServer.TestCase
+    runner.settings = settings(max_examples=int(os.environ.get("TENANT_FUZZ_EXAMPLES", 12)),
+                               stateful_step_count=12, deadline=None,
+                               suppress_health_check=list(HealthCheck))
+    runner().runTest()
+
+
+# -- real engines: two tenants and the operator on one server ----------------------------------
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def tenant_server(request, model_dir, tmp_path_factory):
+    """A real server of its own with a tenants file (the session's shared servers have
+    none), stopped at the end of this module's tests on it."""
+    from .conftest import SGLANG_PYTHON, SGLANG_TEST_PATH
+    path = write_tenants(tmp_path_factory.mktemp("real-tenants"), tenants_toml())
+    env = {**SERVER_ENV, "LORA_SYNC_TENANTS": path}
+    if request.param == "vllm":
+        pytest.importorskip("vllm")
+        from testbed.processes import vllm_server
+        server = vllm_server(model_dir, env=env)
+    else:
+        if not SGLANG_PYTHON.exists():
+            pytest.skip("no .venv-sglang: run scripts/install.sh")
+        from testbed.processes import sglang_server
+        server = sglang_server(model_dir, python=str(SGLANG_PYTHON),
+                               env={**env, "PYTHONPATH": SGLANG_TEST_PATH})
+    server.api_key = API_KEY
+    with server:
+        yield server
+
+
+def test_two_tenants_and_the_operator_share_a_real_server(tenant_server, make_adapter):
+    """Push on each tenant's key, generate its own, the other's names answered as absent,
+    rollback, and the operator sees both."""
+    s = tenant_server
+    a1, a2, b1 = (make_adapter(seed=4700 + i) for i in range(3))
+    with LoRASyncClient(s.url, engine=s.engine, api_key=KEYS["alice"]) as alice, \
+            LoRASyncClient(s.url, engine=s.engine, api_key=KEYS["bob"]) as bob, \
+            LoRASyncClient(s.url, engine=s.engine, api_key=API_KEY) as op:
+        alice.push(a1, "alice-real", transport="tensors")
+        alice.push(a2, "alice-real", transport="shm")
+        bob.push(b1, "bob-real", transport="tensors")
+        v2 = alice.complete(PROMPT, "alice-real", 8)
+        assert v2["version"] == 2
+        assert bob.complete(PROMPT, "bob-real", 8)["version"] == 1
+        for call in (lambda: bob.complete(PROMPT, "alice-real", 8),
+                     lambda: bob.complete(PROMPT, "alice-real-v1", 8),
+                     lambda: bob.retire("alice-real"),
+                     lambda: bob.rollback("alice-real", 1),
+                     lambda: bob.push(b1, "alice-real", transport="tensors")):
+            with pytest.raises(LoRASyncError) as e:
+                call()
+            assert e.value.status == 404, e.value
+        assert {a["name"] for a in bob.adapters()[0]["adapters"]} == {"bob-real"}
+        alice.rollback("alice-real", 1)
+        v1 = alice.complete(PROMPT, "alice-real", 8)
+        assert v1["version"] == 1
+        assert v1["text"] == alice.complete(PROMPT, "alice-real-v1", 8)["text"]
+        assert {a["name"] for a in op.adapters()[0]["adapters"]} == {"alice-real", "bob-real"}
+        assert op.complete(PROMPT, "bob-real", 8)["version"] == 1
+        alice.retire("alice-real")
+        bob.retire("bob-real")
+    assert s.alive(), s.log_tail()
+
+
+def test_metrics_per_tenant(shared, adapters):
+    """Pushes, bytes and refusals by code per tenant, and each quota's use and limit; the
+    label values are the file's tenants and "operator" only."""
+    from prometheus_client import REGISTRY
+
+    from lora_sync.server import metrics
+    assert metrics.install(shared.service)
+
+    def sample(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+    pushes, refused = sample("lora_sync_tenant_pushes_total", tenant="alice"), \
+        sample("lora_sync_tenant_refusals_total", tenant="alice", code="not_found")
+    with client(shared, "alice") as alice:
+        [r] = alice.push(adapters[0], "alice-m", transport="tensors")
+    post(shared, "retire_lora_adapter", "alice", {"lora_name": "bob-m"})
+    assert sample("lora_sync_tenant_pushes_total", tenant="alice") == pushes + 1
+    assert sample("lora_sync_tenant_push_bytes_total", tenant="alice") >= r.bytes
+    assert sample("lora_sync_tenant_refusals_total", tenant="alice", code="not_found") == \
+        refused + 1
+    use = dict(next(s for n, _, _, s in metrics.state_samples()
+                    if n == "lora_sync_tenant_quota_use"))
+    assert use[("alice", "names")] == 1 and use[("bob", "names")] == 0
+    tenants = {labels.get("tenant") for m in REGISTRY.collect() if m.name.startswith(
+        "lora_sync_tenant") for s in m.samples for labels in [s.labels]}
+    assert tenants <= {"alice", "bob", "carol", "operator"}
