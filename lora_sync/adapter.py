@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -203,21 +204,31 @@ class FusedLayer:
     needs: frozenset[str] = frozenset()
 
 
+# PEFT config fields that set each module's rank and scaling (PEFT: LoraModel._create_and_replace
+# and LoraLayer.update_layer). An engine that does not read one serves an adapter that uses
+# it with r, lora_alpha and lora_alpha / r everywhere: check_config_features refuses it there
+# wherever that differs from what PEFT computes.
+CONFIG_FEATURES = ("rank_pattern", "alpha_pattern", "use_rslora")
+
+
 @dataclass(frozen=True)
 class Coverage:
     """What one engine's LoRA layers can serve beyond the base model's shapes and the max
-    rank: the rows of the coverage matrix (docs/security.md). Each engine's bridge
+    rank: the rows of the coverage matrix (docs/coverage.md). Each engine's bridge
     fills it from that engine's code; check_adapter applies it on the server, and the
     trainer applies the same one (it travels in lora_sync_info) before a broadcast. The
-    default constrains nothing: what an old server's info, or a fake engine, gives."""
+    default constrains nothing: what an old server's info, or a fake engine, gives.
+    `config_features`: the CONFIG_FEATURES the engine reads (and serves as PEFT does)."""
     engine: str = "the engine"
     fused: tuple[FusedLayer, ...] = ()
     dtypes: frozenset[str] = frozenset(wire.DTYPES)  # safetensors tags
+    config_features: frozenset[str] = frozenset(CONFIG_FEATURES)
 
     def to_json(self) -> dict:
         return {"engine": self.engine, "dtypes": sorted(self.dtypes),
                 "fused": [{"name": f.name, "parts": list(f.parts), "needs": sorted(f.needs)}
-                          for f in self.fused]}
+                          for f in self.fused],
+                "config_features": sorted(self.config_features)}
 
     @classmethod
     def from_json(cls, body: dict) -> "Coverage":
@@ -239,7 +250,10 @@ class Coverage:
                 raise ValueError("lora_sync_info coverage needs must be among its parts")
             fused.append(FusedLayer(names([f.get("name")], "name")[0], parts, needs))
         dtypes = frozenset(names(body.get("dtypes", sorted(wire.DTYPES)), "dtypes"))
-        return cls(str(body.get("engine", cls.engine))[:64], tuple(fused), dtypes)
+        # A server from before config_features refuses every one of them itself (check_config).
+        features = frozenset(names(body.get("config_features", list(CONFIG_FEATURES)),
+                                   "config_features")) & frozenset(CONFIG_FEATURES)
+        return cls(str(body.get("engine", cls.engine))[:64], tuple(fused), dtypes, features)
 
 
 @dataclass(frozen=True)
@@ -309,11 +323,11 @@ def check_coverage(modules, coverage: Coverage) -> None:
 
 
 # PEFT features that change what an adapter computes and that lora-sync does not serve: each
-# must be absent or at its default (falsy), on both engines alike.
+# must be absent or at its default (falsy), on both engines alike. (rank_pattern,
+# alpha_pattern and use_rslora are served where the engine reads them: CONFIG_FEATURES.)
 UNSUPPORTED_FEATURES = {
     "use_dora": "DoRA", "modules_to_save": "modules_to_save", "lora_bias": "LoRA bias",
-    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)", "rank_pattern": "per-module ranks",
-    "alpha_pattern": "per-module alphas", "layer_replication": "layer_replication",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)", "layer_replication": "layer_replication",
     "alora_invocation_tokens": "Activated LoRA", "use_bdlora": "block-diagonal LoRA",
     "use_qalora": "QALoRA", "megatron_config": "Megatron layers"}
 # Larger is not a LoRA anyone trained: it overflows float16/bfloat16 activations of every
@@ -340,6 +354,7 @@ def check_config(cfg: dict, max_rank: int) -> int:
                          f", got {str(alpha)[:40]}", code="bad_config")
     if not isinstance(cfg.get("use_rslora", False), bool):
         raise BadAdapter("adapter_config use_rslora must be true or false", code="bad_config")
+    _check_patterns(cfg, max_rank)
     if cfg.get("bias", "none") != "none":
         raise BadAdapter(f"adapter_config bias={str(cfg['bias'])[:40]!r} is not supported; "
                          "only 'none'", code="unsupported_module")
@@ -353,6 +368,142 @@ def check_config(cfg: dict, max_rank: int) -> int:
             raise BadAdapter(f"adapter_config uses {what}, which lora-sync cannot serve",
                              code="unsupported_module")
     return r
+
+
+MAX_PATTERN_KEY = 256  # characters of one rank_pattern / alpha_pattern key
+# Wall-clock bound on matching every pattern key against every module name of one adapter
+# (keys are regular expressions: one can backtrack for ever).
+PATTERN_BUDGET_S = 2.0
+
+
+def _check_patterns(cfg: dict, max_rank: int) -> None:
+    """rank_pattern: {key: rank in 1..max_rank}; alpha_pattern: {key: alpha, in lora_alpha's
+    range}. The keys are matched against the adapter's modules by module_ranks."""
+    for field_name in ("rank_pattern", "alpha_pattern"):
+        pattern = cfg.get(field_name)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict) or len(pattern) > MAX_TARGETS:
+            raise BadAdapter(f"adapter_config {field_name} must be an object of at most "
+                             f"{MAX_TARGETS} module patterns", code="bad_config")
+        for key, value in pattern.items():
+            if not 0 < len(key) <= MAX_PATTERN_KEY:
+                raise BadAdapter(f"adapter_config {field_name} keys must be 1 to "
+                                 f"{MAX_PATTERN_KEY} characters", code="bad_config")
+            where = f"adapter_config {field_name}[{key[:60]!r}]"
+            ranks = field_name == "rank_pattern"
+            if isinstance(value, bool) or not isinstance(value, int if ranks else (int, float)):
+                raise BadAdapter(f"{where} must be {'an integer' if ranks else 'a number'}, "
+                                 f"got {str(value)[:40]}", code="bad_config")
+            if ranks and not 1 <= value <= max_rank:
+                raise BadAdapter(
+                    f"{where}={value if value.bit_length() < 64 else '<huge>'}: per-module "
+                    f"ranks must be between 1 and the server's max LoRA rank {max_rank} "
+                    "(--max-lora-rank)", code="rank_too_large" if value > 0 else "bad_config")
+            if not ranks and not 0 < value <= MAX_LORA_ALPHA:
+                raise BadAdapter(f"{where} must be a number in (0, {MAX_LORA_ALPHA:g}]",
+                                 code="bad_config")
+
+
+# A key a plain `re` matches in bounded time (no quantifier, no group): used when the `regex`
+# package (a dependency of transformers, so always on a server) is missing on a trainer.
+_PLAIN_KEY = re.compile(r"(?:[A-Za-z0-9_.]|\\\.)+")
+
+
+def _pattern_matcher(key: str, field_name: str):
+    """`match(module, timeout) -> bool`: PEFT's rule (peft.utils.other.get_pattern_key, and
+    vLLM's PEFTHelper._match_pattern): the key is a regular expression that matches a
+    suffix of the module name starting at a '.' boundary. vLLM matches with the `regex`
+    package, PEFT with `re`; `regex` also bounds the time."""
+    text = rf"(.*\.)?({key})$"
+    try:
+        import regex
+    except ImportError:
+        if not _PLAIN_KEY.fullmatch(key):
+            raise BadAdapter(f"adapter_config {field_name} key {key[:60]!r} is a regular "
+                             "expression; checking it safely needs the 'regex' package "
+                             "(pip install regex)", code="bad_config") from None
+        compiled = re.compile(text)
+        return lambda module, timeout: compiled.match(module) is not None
+    try:
+        compiled = regex.compile(text)
+    except (regex.error, RecursionError, OverflowError, ValueError) as e:
+        raise BadAdapter(f"adapter_config {field_name} key {key[:60]!r} is not a valid "
+                         f"regular expression: {str(e)[:100]}", code="bad_config") from e
+    return lambda module, timeout: compiled.match(module, timeout=timeout) is not None
+
+
+def module_ranks(cfg: dict, modules) -> dict[str, tuple[int, float]]:
+    """(rank, lora_alpha) that PEFT gives each module of a (checked) config: the value of
+    the first rank_pattern / alpha_pattern key that matches it, else r / lora_alpha. A key
+    that matches none of `modules` is refused: PEFT only warns and ignores it, but an adapter
+    that says a module has another rank than it has is not one to guess about (and vLLM
+    counts that rank against --max-lora-rank)."""
+    deadline = time.monotonic() + PATTERN_BUDGET_S
+    modules = list(modules)
+    out = {m: [cfg["r"], cfg["lora_alpha"]] for m in modules}
+
+    def matches(match, module, field_name) -> bool:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return match(module, left)
+        except TimeoutError:
+            raise BadAdapter(f"adapter_config {field_name}: matching its keys against the "
+                             f"adapter's {len(modules)} module names took over "
+                             f"{PATTERN_BUDGET_S:g} s; use plain module names",
+                             code="bad_config") from None
+
+    for slot, field_name in enumerate(("rank_pattern", "alpha_pattern")):
+        pattern = cfg.get(field_name) or {}
+        if not pattern:
+            continue
+        keys = [(key, value, _pattern_matcher(key, field_name)) for key, value in pattern.items()]
+        used = set()
+        for module in modules:
+            for key, value, match in keys:
+                if matches(match, module, field_name):
+                    out[module][slot] = value
+                    used.add(key)
+                    break
+        for key, _, match in keys:  # a key shadowed by an earlier one still matches
+            if key not in used and not any(matches(match, m, field_name) for m in modules):
+                raise BadAdapter(f"adapter_config {field_name} key {key[:60]!r} matches no "
+                                 "module of the adapter (PEFT matches it as a suffix of the "
+                                 "module name at a '.')", code="bad_config")
+    return {m: (int(rank), alpha) for m, (rank, alpha) in out.items()}
+
+
+def check_config_features(cfg: dict, ranks: dict[str, tuple[int, float]],
+                          coverage: Coverage) -> None:
+    """Refuses a config feature the engine does not read (Coverage.config_features) wherever
+    it changes what PEFT computes for a module: the engine would serve r, lora_alpha and
+    lora_alpha / r there, and so serve the adapter wrong (or fail on its shapes). Where it
+    changes nothing (a rank_pattern that gives every module r, use_rslora at r = 1) it is
+    served."""
+    unread = [f for f in CONFIG_FEATURES if f not in coverage.config_features]
+    if not unread:
+        return
+    r, alpha = cfg["r"], cfg["lora_alpha"]
+    for module, (rank, module_alpha) in ranks.items():
+        if "rank_pattern" in unread and rank != r:
+            raise BadAdapter(
+                f"module {module!r}: adapter_config rank_pattern gives it rank {rank}, but "
+                f"{coverage.engine} does not read rank_pattern (it would take rank r={r}): "
+                f"per-module ranks cannot be served there", code="unsupported_module")
+        if "alpha_pattern" in unread and module_alpha != alpha:
+            raise BadAdapter(
+                f"module {module!r}: adapter_config alpha_pattern gives it lora_alpha "
+                f"{module_alpha}, but {coverage.engine} does not read alpha_pattern (it would "
+                f"scale it by lora_alpha={alpha}): per-module alphas cannot be served there",
+                code="unsupported_module")
+        if "use_rslora" in unread and cfg.get("use_rslora") and rank != 1:
+            raise BadAdapter(
+                f"adapter_config use_rslora: {coverage.engine} does not read use_rslora and "
+                f"would scale module {module!r} by lora_alpha/r = {module_alpha}/{rank} instead "
+                f"of rsLoRA's lora_alpha/sqrt(r): rsLoRA cannot be served there",
+                code="unsupported_module")
 
 
 def _finite_everywhere(value, where: str, depth: int = 0) -> None:
@@ -374,6 +525,12 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
         raise BadAdapter("the adapter has no tensors", code="empty_adapter")
     cfg = normalize_config(config, [s.name for s in specs])
     r = check_config(cfg, model.max_rank)
+    special = sorted(t for t in cfg["target_modules"]
+                     if t.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens"))
+    if special:
+        raise BadAdapter(f"adapter_config target_modules {special[:4]}: LoRA on embeddings / "
+                         "the LM head is not supported; only the model's linear layers",
+                         code="unsupported_module")
     unknown = sorted(t for t in cfg["target_modules"] if not model.has_target(t))
     if unknown:
         raise BadAdapter(f"adapter_config target_modules {unknown[:20]} are not linear layers "
@@ -413,8 +570,15 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
                 f"module {module!r}: lora_A {list(h['A'])} / lora_B {list(h['B'])} do not fit "
                 f"the base layer (in={fan_in}, out={fan_out}); expected A [r, {fan_in}] and "
                 f"B [{fan_out}, r]", code="bad_shape")
-        if ra != r:
-            raise BadAdapter(f"module {module!r} has rank {ra} but adapter_config r is {r}: "
-                             "every lora_A/lora_B pair must have rank r", code="bad_shape")
+    ranks = module_ranks(cfg, halves)
+    for module, h in halves.items():
+        ra, rank = h["A"][0], ranks[module][0]
+        if ra != rank:
+            given = ("adapter_config r" if rank == r and not cfg.get("rank_pattern") else
+                     "adapter_config (r and rank_pattern)")
+            raise BadAdapter(f"module {module!r} has rank {ra} but {given} gives it rank "
+                             f"{rank}: each lora_A/lora_B pair must have its module's rank",
+                             code="bad_shape")
+    check_config_features(cfg, ranks, model.coverage)
     check_coverage(halves, model.coverage)
     return cfg

@@ -17,7 +17,7 @@ from lora_sync.server.bridge import EngineBridge
 
 from . import engine_api
 
-# What SGLang 0.5.23's LoRA memory pool and layers serve (docs/security.md).
+# What SGLang 0.5.23's LoRA memory pool and layers serve (docs/coverage.md).
 # Fused groups: sglang/srt/lora/lora.py LoRAAdapter.normalize_qkv_proj fuses one layer's
 # q/k/v into qkv_proj only from its q_proj, and reads v_proj unconditionally (a missing k_proj
 # becomes zeros shaped like v_proj): q without v fails the load (KeyError); k or v without q
@@ -29,9 +29,17 @@ from . import engine_api
 # Ranks: any r up to --max-lora-rank (LoRAMemoryPool.can_support); an adapter fills the first
 # r rows of its slot. dtypes: any of ours; torch.cat promotes mixed parts and
 # utils.copy_weight_into_buffer casts into the pool's dtype.
+# Config features: none. sglang/srt/lora/lora_config.py LoRAConfig reads r and lora_alpha
+# only (not rank_pattern, alpha_pattern, use_rslora), lora.py LoRAAdapter.__init__ sets one
+# scaling = lora_alpha / r for every module, and mem_pool.py load_lora_weight_to_buffer
+# copies each weight into a view of rank config.r (its shape assert fails, in the scheduler,
+# for a module of another rank). So an adapter is refused wherever one of them changes a
+# module's rank, alpha or scaling (check_config_features); a rank_pattern that gives every
+# module r, or use_rslora at r = 1, changes nothing and is served.
 COVERAGE = Coverage("SGLang", (
     FusedLayer("qkv_proj", ("q_proj", "k_proj", "v_proj"), frozenset({"q_proj", "v_proj"})),
-    FusedLayer("gate_up_proj", ("gate_proj", "up_proj"), frozenset({"gate_proj"}))))
+    FusedLayer("gate_up_proj", ("gate_proj", "up_proj"), frozenset({"gate_proj"}))),
+    config_features=frozenset())
 
 
 class SGLangBridge(EngineBridge):

@@ -484,7 +484,9 @@ def test_retired_name_keeps_its_numbering_while_versions_drain():
     ({"lora_alpha": 1e38}, "bad_config"), ({"lora_alpha": "16"}, "bad_config"),
     ({"r": 8.5}, "bad_config"), ({"r": "8"}, "bad_config"), ({"r": True}, "bad_config"),
     ({"lora_dropout": float("nan")}, "bad_config"), ({"bias": "all"}, "unsupported_module"),
-    ({"rank_pattern": {"q_proj": 2}}, "unsupported_module"),
+    ({"rank_pattern": {"q_proj": 2}}, "bad_shape"),  # served, but q_proj's tensors have rank 4
+    ({"rank_pattern": {"k_proj": 4}}, "bad_config"),  # a key matching no module
+    ({"rank_pattern": {"q_proj": 32}}, "rank_too_large"), ({"alpha_pattern": []}, "bad_config"),
     ({"init_lora_weights": "pissa"}, "unsupported_module"),
     ({"r": 2}, "bad_shape"),  # tensors have rank 4
 ])

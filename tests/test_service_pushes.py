@@ -174,8 +174,12 @@ def test_bad_inputs_are_refused_and_previous_version_keeps_serving(fake_server, 
                     '"target_modules": "all-linear"}', "bad_config"),
     ("bias all", '{"r": 8, "lora_alpha": 16, "bias": "all", "target_modules": "all-linear"}',
      "unsupported_module"),
+    # served where the engine reads it (docs/coverage.md), but q_proj's tensors have rank 8
     ("rank_pattern", '{"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 4}, '
-                     '"target_modules": "all-linear"}', "unsupported_module"),
+                     '"target_modules": "all-linear"}', "bad_shape"),
+    ("rank_pattern key matching nothing", '{"r": 8, "lora_alpha": 16, "rank_pattern": '
+                                          '{"nope_proj": 8}, "target_modules": "all-linear"}',
+     "bad_config"),
     ("use_dora", '{"r": 8, "lora_alpha": 16, "use_dora": true, "target_modules": "all-linear"}',
      "unsupported_module"),
     ("deep config", '{"r": 8, "lora_alpha": 16, "x": ' + "[" * 5000 + "]" * 5000 + "}",

@@ -10,14 +10,22 @@ from . import engine_api
 RPC_TIMEOUT_S = 600.0
 # The one worker-extension method (worker_extensions/vllm.py): every op goes through it.
 WORKER_METHOD = "lora_sync_call"
-# What vLLM 0.32's LoRA layers serve (docs/security.md): every subset of a fused
+# What vLLM 0.32's LoRA layers serve (docs/coverage.md): every subset of a fused
 # group. vllm/lora/model_manager.py _create_merged_loras_inplace packs a missing part as None
 # and MergedColumnParallelLinearWithLoRA.set_lora (layers/column_parallel_linear.py) zeroes
 # the slot, then skips None slices. Ranks: any r up to --max-lora-rank
 # (PEFTHelper.validate_legal), copied into the slot's first r rows. dtypes: any of ours,
 # cast to the LoRA dtype by LoRAModel.from_lora_tensors.
+# Config features: rank_pattern, alpha_pattern and use_rslora are all read
+# (vllm/lora/peft_helper.py PEFTHelper.get_rank_and_scaling, matching keys as PEFT's
+# get_pattern_key does; _scaling: lora_alpha/sqrt(r) under rsLoRA), per module by
+# LoRALayerWeights.from_config in LoRAModel.from_lora_tensors, the builder lora-sync's worker
+# calls too (engine_api.build_lora_model); each module's scaling then rides on its lora_B to
+# the slot (engine_api.defer_scaling / _write_slot) or is folded in (fold_scaling). Slots are
+# sized by --max-lora-rank; PEFTHelper.validate_legal counts every rank_pattern value.
 COVERAGE = Coverage("vLLM", (FusedLayer("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                             FusedLayer("gate_up_proj", ("gate_proj", "up_proj"))))
+                             FusedLayer("gate_up_proj", ("gate_proj", "up_proj"))),
+                    config_features=frozenset({"rank_pattern", "alpha_pattern", "use_rslora"}))
 
 
 class VLLMBridge(EngineBridge):

@@ -1,0 +1,193 @@
+"""The coverage matrix: PEFT features (rows) x engine, each cell "served" (token-identical
+to the engine's own disk route and to PEFT's forward, on the transports it names) or
+"refused" (the 4xx code lora-sync answers, and why). docs/coverage.md is rendered from it;
+tests/test_coverage.py checks the page, that every cell names tests that exist, and the
+cells themselves. Rewrite the page with:
+
+    python -m tests.coverage_matrix
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
+ENGINES = ("vllm", "sglang")
+VLLM_ALL = "tests/test_coverage.py::test_vllm_serves_per_module_ranks_alphas_and_rslora_as_disk_and_peft"
+SGLANG_ALL = ("tests/test_coverage.py::"
+              "test_sglang_serves_what_it_reads_and_refuses_what_it_would_serve_wrong")
+BY_ENGINE = "tests/test_coverage.py::test_each_engine_serves_or_refuses_each_case_by_name"
+REFUSED_BY_CODE = "tests/test_coverage.py::test_refused_rows_are_refused_by_code_on_each_engine"
+PREVIOUS_SERVES = "tests/test_coverage.py::test_refused_rows_leave_the_previous_version_serving"
+SGLANG_CODE = "tests/test_coverage.py::test_sglang_reads_no_config_feature_and_its_coverage_says_so"
+
+
+@dataclass(frozen=True)
+class Cell:
+    served: bool
+    why: str
+    proofs: tuple[str, ...]
+    transports: str = ""       # served: the transports proven on a real server
+    code: str | None = None    # refused: the 4xx code
+    feature: str = ""          # refused: the name its message gives
+
+
+def served(why, proofs, transports="tensors"):
+    return Cell(True, why, tuple(proofs), transports)
+
+
+def refused(code, feature, why, proofs):
+    return Cell(False, why, tuple(proofs), code=code, feature=feature)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    what: str
+    cells: dict
+    case: str | None = None  # tests/test_coverage.py CASES key, for the rows served somewhere
+
+
+# Why an engine-independent refusal: lora-sync's own check (lora_sync/adapter.py).
+OURS = ("lora-sync's check_adapter takes 2-D lora_A/lora_B pairs on the base model's "
+        "nn.Linear layers only")
+
+
+def both(cell):
+    return {"vllm": cell, "sglang": cell}
+
+
+ROWS = (
+    Row("rank_pattern", "per-module ranks (PEFT `rank_pattern`, keys matched as PEFT does)", {
+        "vllm": served("vllm/lora/peft_helper.py PEFTHelper.get_rank_and_scaling; slots sized "
+                       "by --max-lora-rank", [VLLM_ALL, BY_ENGINE], "tensors, shm, broadcast"),
+        "sglang": refused("unsupported_module", "rank_pattern",
+                          "sglang/srt/lora/lora_config.py LoRAConfig reads r only; "
+                          "mem_pool.py load_lora_weight_to_buffer asserts every weight has "
+                          "rank r (in the scheduler)", [SGLANG_ALL, BY_ENGINE, SGLANG_CODE]),
+    }, "rank_pattern"),
+    Row("rank_pattern giving every module r", "a `rank_pattern` that changes no rank", {
+        "vllm": served("as rank_pattern", [VLLM_ALL, BY_ENGINE]),
+        "sglang": served("ignored, and it changes nothing", [SGLANG_ALL, BY_ENGINE]),
+    }, "rank_pattern giving every module r"),
+    Row("alpha_pattern", "per-module alphas (PEFT `alpha_pattern`)", {
+        "vllm": served("vllm/lora/peft_helper.py PEFTHelper.get_rank_and_scaling",
+                       [VLLM_ALL, BY_ENGINE]),
+        "sglang": refused("unsupported_module", "alpha_pattern",
+                          "sglang/srt/lora/lora.py LoRAAdapter.__init__: one scaling "
+                          "lora_alpha / r for every module; its disk route serves the adapter "
+                          "as if alpha_pattern were absent", [SGLANG_ALL, BY_ENGINE, SGLANG_CODE]),
+    }, "alpha_pattern"),
+    Row("use_rslora", "rsLoRA scaling lora_alpha / sqrt(r)", {
+        "vllm": served("vllm/lora/peft_helper.py PEFTHelper._scaling", [VLLM_ALL, BY_ENGINE]),
+        "sglang": refused("unsupported_module", "use_rslora",
+                          "sglang/srt/lora/lora.py LoRAAdapter.__init__ scales by lora_alpha / r "
+                          "(LoRAConfig does not read use_rslora); its disk route serves the "
+                          "adapter as plain LoRA", [SGLANG_ALL, BY_ENGINE, SGLANG_CODE]),
+    }, "use_rslora"),
+    Row("use_rslora at r=1", "rsLoRA where sqrt(r) = r", {
+        "vllm": served("as use_rslora", [VLLM_ALL, BY_ENGINE]),
+        "sglang": served("ignored, and it changes nothing", [SGLANG_ALL, BY_ENGINE]),
+    }, "use_rslora at r=1"),
+    Row("layers_to_transform", "adapters on some layers only", both(
+        served("the engine zeroes the slots of the layers an adapter lacks (vLLM set_lora / "
+               "reset_lora, SGLang mem_pool.load_lora_weight_to_buffer)",
+               [VLLM_ALL, SGLANG_ALL, BY_ENGINE])), "layers_to_transform"),
+    Row("rank below max", "r below the server's --max-lora-rank", both(
+        served("the adapter fills the first r rows of its slot",
+               [VLLM_ALL, SGLANG_ALL, BY_ENGINE])), "rank below max"),
+    Row("embed_tokens", "LoRA on the input embedding", both(refused(
+        "unsupported_module", "embed_tokens",
+        f"{OURS}; both engines have embedding LoRA layers (open: issue 44)",
+        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("lm_head", "LoRA on the LM head", both(refused(
+        "unsupported_module", "lm_head",
+        f"{OURS}; both engines have LM-head LoRA layers (open: issue 44)",
+        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("tied embeddings", "embed_tokens and lm_head adapted together, tied", both(refused(
+        "unsupported_module", "embed_tokens", f"{OURS} (open: issue 44)",
+        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("modules_to_save", "fully trained copies of modules", both(refused(
+        "unsupported_module", "modules_to_save",
+        "vLLM's PEFTHelper._validate_features refuses it (but for classifier heads); "
+        "SGLang's LoRAConfig and LoRAAdapter read no modules_to_save (it would be served "
+        "without them)", [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("DoRA", "`use_dora` / lora_magnitude_vector", both(refused(
+        "unsupported_module", "DoRA",
+        "vLLM's PEFTHelper._validate_features and SGLang's lora_manager.py "
+        "LoRAManager.validate_new_adapter refuse it",
+        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("bias", "`bias` other than none", both(refused(
+        "unsupported_module", "bias",
+        "vLLM's PEFTHelper.validate_legal refuses it; it trains the base layers' biases, "
+        "which no LoRA slot holds",
+        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("LoRA bias", "`lora_bias` (a bias on lora_B)", both(refused(
+        "unsupported_module", "LoRA bias",
+        "vLLM's PEFTHelper._validate_features refuses it; SGLang's LoRAConfig reads no "
+        "lora_bias (it would be served without it)",
+        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("MoE experts", "PEFT `target_parameters` on fused 3-D expert weights", both(refused(
+        "unknown_module", "experts",
+        f"{OURS}: expert weights are parameters, not nn.Linear modules; MoE LoRA on CPU is "
+        "open (issue 44, item 2)", [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+)
+
+
+def cell_for_case(case: str, engine: str) -> Cell:
+    return next(row.cells[engine] for row in ROWS if row.case == case)
+
+
+def _cell_text(cell: Cell) -> str:
+    if cell.served:
+        return f"served ({cell.transports}): {cell.why}"
+    return f"refused: `{cell.code}` ({cell.why})"
+
+
+def render() -> str:
+    lines = [
+        "# Coverage: which PEFT features each engine serves",
+        "",
+        "<!-- Generated by `python -m tests.coverage_matrix` from tests/coverage_matrix.py; "
+        "tests/test_coverage.py fails when this page differs. Do not edit by hand. -->",
+        "",
+        "The rule: lora-sync serves every adapter the engine serves correctly from disk, "
+        "token for token, and refuses with a 4xx naming the feature what the engine would "
+        "refuse or serve wrongly. \"Served\" cells are token-identical to the engine's own "
+        "disk route and to PEFT's forward pass (transformers, float32, greedy) on a real "
+        "server, on the transports named. \"Refused\" cells answer 400 with the code shown "
+        "and the previous version keeps serving. Engines: vLLM 0.32 and SGLang 0.5.23 on CPU. "
+        "What each engine reads is its bridge's `Coverage` (`vllm_ext/bridge.py`, "
+        "`sglang_ext/bridge.py`: `config_features`), which also travels to the trainer in "
+        "`lora_sync_info`, so a broadcast is refused before any transfer.",
+        "",
+        "A feature an engine does not read is refused there only where it changes what PEFT "
+        "computes: a `rank_pattern` that gives every module `r`, or `use_rslora` at `r = 1`, "
+        "is served. Every `rank_pattern` / `alpha_pattern` key must match a module of the "
+        "adapter (PEFT's rule: a regular expression matching a suffix of the module name at "
+        "a `.`; matching is bounded in time), each module's tensors must have the rank the "
+        "config gives it, and no rank may exceed `--max-lora-rank`.",
+        "",
+        "| Feature | What | vLLM 0.32 | SGLang 0.5.23 |",
+        "|---|---|---|---|",
+    ]
+    for row in ROWS:
+        cells = " | ".join(_cell_text(row.cells[e]).replace("|", "\\|") for e in ENGINES)
+        lines.append(f"| `{row.name}` | {row.what} | {cells} |")
+    lines += ["", "Tests that prove each cell:", ""]
+    for row in ROWS:
+        for engine in ENGINES:
+            proofs = ", ".join(f"`{p}`" for p in row.cells[engine].proofs)
+            lines.append(f"- `{row.name}` on {engine}: {proofs}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    PAGE.write_text(render())
+    print(f"wrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
