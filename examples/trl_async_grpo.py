@@ -6,8 +6,8 @@
 The only lora-sync line is the import of AsyncGRPOTrainer (plus `lora_sync_*` arguments for
 a server that is not the config's `vllm_server_base_url`, or has an API key). Reward: the
 fraction of completion tokens containing the letter "e" (about 0.12 for the initial policy).
-On a CPU-only machine `testbed.trl_cpu.patch()` lets TRL's trainer run at all (TRL 1.16
-needs CUDA for its attention kernels and MFU metrics).
+On a CPU-only machine `lora_sync.integrations.trl_cpu.patch()` lets TRL's trainer run at all
+(TRL 1.16 needs CUDA for its attention kernels and MFU metrics).
 
 One run here (2-core CPU VM, about 75 s with the server's start):
     reward per step: 0.12 0.11 0.12 0.14 0.23 0.34 0.46 0.73 0.92 0.93 0.89 0.95 0.95 0.94 0.98 0.97
@@ -71,7 +71,7 @@ def train(model_dir: str, server_url: str, api_key: str | None, steps: int, out_
 
     from lora_sync.integrations.trl import AsyncGRPOTrainer  # the one-line change
     if not torch.cuda.is_available():
-        from testbed import trl_cpu
+        from lora_sync.integrations import trl_cpu
         trl_cpu.patch()
     trainer = AsyncGRPOTrainer(**trainer_arguments(model_dir, server_url, steps, out_dir),
                                lora_sync_api_key=api_key)

@@ -12,7 +12,7 @@ be checked. The version table's mirror check (MIRRORS) is described at `mirror_c
 
 What is checked comes from the `TOUCHED` literal in vllm_ext/engine_api.py,
 sglang_ext/engine_api.py and, for TRL (`trl==1.16.0`, the trainer lora_sync/integrations/trl.py
-subclasses), lora_sync/integrations/trl.py and testbed/trl_cpu.py (read with ast too:
+subclasses), lora_sync/integrations/trl.py and lora_sync/integrations/trl_cpu.py (read with ast too:
 importing them would import the engine). Each entry is a string:
 
     "module"                          the module exists
@@ -47,7 +47,7 @@ ENGINE_FILES = {"vllm": REPO / "vllm_ext" / "engine_api.py",
                 "sglang": REPO / "sglang_ext" / "engine_api.py",
                 "trl": REPO / "lora_sync" / "integrations" / "trl.py"}
 # Further files with a TOUCHED list of the same package, checked with it.
-MORE_FILES = {"trl": (REPO / "testbed" / "trl_cpu.py",)}  # TRL on CPU (tests, demo)
+MORE_FILES = {"trl": (REPO / "lora_sync" / "integrations" / "trl_cpu.py",)}  # TRL on CPU (tests, demo)
 PINS_ENGINES = {"vLLM": "vllm", "SGLang": "sglang", "TRL": "trl"}
 LIST_NAME, TABLE_NAME, MIRRORS_NAME = "TOUCHED", "BY_VERSION", "MIRRORS"
 # Private attributes lora-sync itself sets on engine objects. Not for TRL: its trainer has a
@@ -580,7 +580,7 @@ def report(results: list[Result], command: str, coverage: list[str]) -> str:
              f"Written by `{command}` (scripts/drift_check.py): every private engine symbol "
              "lora-sync touches (the `TOUCHED` lists in `vllm_ext/engine_api.py`, "
              "`sglang_ext/engine_api.py` and, for TRL's trainer, "
-             "`lora_sync/integrations/trl.py` and `testbed/trl_cpu.py`), looked up in each "
+             "`lora_sync/integrations/trl.py` and `lora_sync/integrations/trl_cpu.py`), looked up in each "
              "release's wheel by reading its sources with `ast`, without importing them. "
              "\"call fits\": the parameters we pass exist, in the positions we pass them, and "
              "nothing else is required.", "",

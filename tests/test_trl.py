@@ -3,9 +3,11 @@
 (lora_sync/integrations/transformers.py).
 
 In-process (no server): what the TRL trainer refuses, and its version numbering and pushes
-against lora-sync on the fake engine (tests/engine_fakes.py). Real vLLM server: a short
-AsyncGRPO run whose rollouts are served by exactly the versions the trainer pushed, and the
-callback's pushes against the same adapters loaded from disk by the engine."""
+against lora-sync on the fake engine (tests/engine_fakes.py), and its hooks for a server
+that goes down. Real vLLM server: a short AsyncGRPO run whose rollouts are served by exactly
+the versions the trainer pushed; one whose server is SIGKILLed, restarted and ridden out,
+then killed for good (ServerDown); and the callback's pushes against the same adapters
+loaded from disk by the engine."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +15,7 @@ import http.client
 import json
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -27,6 +30,7 @@ pytest.importorskip("peft")
 from peft import LoraConfig  # noqa: E402
 
 from lora_sync import LoRASyncClient  # noqa: E402
+from lora_sync.errors import LoRASyncError  # noqa: E402
 
 from .helpers import PROMPT, disk_model  # noqa: E402
 
@@ -61,8 +65,8 @@ def trainer_for(model_dir, out_dir, servers, api_key=None, peft_config=None, **k
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
+    from lora_sync.integrations import trl_cpu
     from lora_sync.integrations.trl import AsyncGRPOTrainer
-    from testbed import trl_cpu
     trl_cpu.patch()  # TRL's AsyncGRPOTrainer needs CUDA otherwise
     config = {"output_dir": str(out_dir), "max_steps": 4, "per_device_train_batch_size": 8,
               "num_generations": 4, "max_completion_length": 8, "learning_rate": 3e-2,
@@ -137,13 +141,14 @@ def test_refuses_an_untested_trl(monkeypatch, model_dir):
 
 
 def test_cpu_tree_attention_matches_plain_attention(model_dir):
-    """testbed.trl_cpu's stand-in for TRL's FA3 tree attention: two samples sharing a prefix,
-    packed as TRL packs them, get the logits each gets alone with plain attention."""
+    """lora_sync.integrations.trl_cpu's stand-in for TRL's FA3 tree attention: two samples
+    sharing a prefix, packed as TRL packs them, get the logits each gets alone with plain
+    attention."""
     from transformers import AutoModelForCausalLM
     from trl.experimental.async_grpo import async_grpo_trainer
     from trl.experimental.async_grpo.packing import TREE_ATTENTION, TreeRow
 
-    from testbed import trl_cpu
+    from lora_sync.integrations import trl_cpu
     trl_cpu.patch()
     async_grpo_trainer.register_tree_attention()
     samples = [[5, 6, 7, 8, 9], [5, 6, 7, 11]]
@@ -216,6 +221,79 @@ def test_syncs_push_trl_model_versions(model_dir, tmp_path, make_fake_server):
     for t in (trainer, restarted, resumed):
         t.lora_sync_client.close()
     client.close()
+
+
+def test_a_killed_server_is_ridden_out_then_stops_training(model_dir, tmp_path,
+                                                           make_fake_server):
+    """The trainer's hooks for a server that goes down (fake engine behind a proxy, so a new
+    server can take the dead one's URL): while training, a sync that reaches no server waits
+    for it; the one that takes its place is restored by the watch (the versions the dead one
+    held, under their numbers) and the sync then pushes. Down past the bound: ServerDown, raised where
+    TRL waits for rollouts (the worker's check_health) and by the next sync. Outside train()
+    a sync fails at once, as before."""
+    from lora_sync.integrations.server_watch import ServerWatch
+    from lora_sync.integrations.trl import ServerDown
+    first = make_fake_server()
+
+    def wait_for(what, timeout=20.0):  # every wait here is bounded
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.02)
+
+    with RecordingProxy(first.url) as proxy:
+        trainer = trainer_for(model_dir, tmp_path, [proxy.url], first.api_key,
+                              lora_sync_name="crash", lora_sync_timeout=10)
+        client = trainer.lora_sync_client
+        for _ in range(2):
+            trainer._sync_weight()
+        assert trainer.model_version == 2 and trainer.lora_sync_restore_versions == 3
+        # what train() sets up (a thread on rank 0), here by hand
+        watch = trainer.lora_sync_watch = ServerWatch(client, bound=30, interval=0.05,
+                                                      restore=trainer.lora_sync_restore).start()
+        trainer.lora_sync_watching = True
+        try:
+            first.stop()
+            wait_for(lambda: proxy.url in watch.down_since)
+            replacement = {}
+
+            def restart():  # a new instance, holding nothing, at the same URL
+                time.sleep(0.5)
+                replacement["server"] = make_fake_server()
+                proxy.upstream = replacement["server"].url
+            threading.Thread(target=restart, daemon=True).start()
+            t0 = time.monotonic()
+            trainer._sync_weight()  # no server: waits for it, then pushes
+            assert time.monotonic() - t0 >= 0.5
+            assert trainer.model_version == 3 == trainer.rollout_worker.model_version
+            [back] = watch.events
+            assert back["server"] == proxy.url and back["restarted"]
+            # what the server held before (TRL's worker retries requests naming either)
+            assert back["resynced"] == ["crash-v1", "crash-v2"]
+            assert held(client, "crash") == [1, 2, 3]
+            assert client.complete(PROMPT, "crash-v3")["text"] == served_text(trainer.model)
+            assert [v for v, _ in trainer.lora_sync_kept] == [1, 2, 3]
+
+            proxy.upstream = "http://127.0.0.1:9"  # down for good
+            watch.bound = 0.3
+            wait_for(lambda: watch.failure is not None)
+            for stops in (lambda: trainer.rollout_worker.check_health(1e12),
+                          trainer._sync_weight):
+                with pytest.raises(ServerDown) as e:
+                    stops()
+                assert e.value.server == proxy.url and proxy.url in str(e.value)
+                assert "lora_sync_restart_timeout=0.3" in str(e.value)
+            wait_for(lambda: not watch.running)
+        finally:
+            watch.stop()
+            trainer.lora_sync_watching = False
+        # outside train(): the push's own error, at once
+        t0 = time.monotonic()
+        with pytest.raises(LoRASyncError) as e:
+            trainer._sync_weight()
+        assert not isinstance(e.value, ServerDown)  # (through the proxy: its 502)
+        assert time.monotonic() - t0 < 5
+        client.close()  # (the fake servers are stopped by their fixture)
 
 
 def test_sglang_rollouts_disable_top_k_the_sglang_way(model_dir, tmp_path, make_fake_server):
@@ -292,9 +370,9 @@ class RecordingProxy:
     reply's status, X-LoRA-Version and model: what TRL's rollout worker asked and got."""
 
     def __init__(self, upstream: str):
-        up = urlsplit(upstream)
+        self.upstream = upstream  # may be changed while it runs
         self.calls: list[dict] = []
-        calls = self.calls
+        calls, proxy = self.calls, self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -304,15 +382,30 @@ class RecordingProxy:
 
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                up = urlsplit(proxy.upstream)
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in ("host", "connection")}
-                conn.request(self.command, self.path, body=body or None, headers=headers)
-                reply = conn.getresponse()
-                data = reply.read()
+                try:
+                    conn.request(self.command, self.path, body=body or None, headers=headers)
+                    reply = conn.getresponse()
+                    data = reply.read()
+                except OSError as e:  # the upstream is down: a gateway's 502
+                    conn.close()
+                    if self.path.startswith("/v1/completions"):
+                        calls.append({"model": json.loads(body).get("model"), "status": 502,
+                                      "version": None, "served": None, "error": str(e),
+                                      "t": time.monotonic()})
+                    data = json.dumps({"error": {"message": str(e)}}).encode()
+                    self.send_response(502)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 if self.path.startswith("/v1/completions"):
                     calls.append({"model": json.loads(body).get("model"),
-                                  "status": reply.status,
+                                  "status": reply.status, "t": time.monotonic(),
                                   "version": reply.getheader("X-LoRA-Version"),
                                   "served": json.loads(data).get("model")
                                   if reply.status == 200 else None,
@@ -426,6 +519,125 @@ def test_async_grpo_trains_through_lora_sync(vllm, model_dir, tmp_path):
           f"first third {first:.3f} -> last third {last:.3f}; versions requested "
           f"{sorted(requested)}; final version's log-prob mismatch {mismatch:.1e}")
     assert mismatch < 1e-3
+
+
+class AfterSync:
+    """A callback added after construction, so after TRL's sync: `fn(step)` at every step's
+    end, once that step's version is pushed."""
+
+    def __new__(cls, fn):
+        from transformers import TrainerCallback
+
+        class _AfterSync(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                fn(state.global_step)
+        return _AfterSync()
+
+
+RESTART_BOUND_S = 150  # the ride-out bound while the server restarts (a start takes ~40 s)
+DOWN_BOUND_S = 10      # the bound once it is killed for good
+KILL_STEP, KILL_AGAIN_STEP = 2, 5
+
+
+# Two kills and one server start: about 2 minutes; a trainer that hangs on the dead server
+# (the bug: TRL's worker retries for about 8 minutes) runs into the timeout.
+@pytest.mark.timeout(420)
+def test_async_grpo_rides_out_a_killed_server_then_stops_on_one_that_stays_down(model_dir,
+                                                                                 tmp_path):
+    """A vLLM server SIGKILLed mid-training and started again: the trainer resyncs it (it
+    holds the newest version again, the one TRL's rollout worker names), rollouts are served
+    by exactly the versions they name, and training goes on. Killed again and left down:
+    train() raises ServerDown naming the server, after the bound and soon after it."""
+    from testbed.processes import vllm_server
+
+    from lora_sync.integrations.trl import ServerDown
+
+    from .conftest import API_KEY, SERVER_ENV
+    name = "trl-crash"
+    server = vllm_server(model_dir, env=SERVER_ENV)  # its own: killed twice here
+    server.start_timeout = 150
+    marks: dict = {}
+
+    def restart():
+        try:
+            server.start()
+        except (RuntimeError, TimeoutError) as e:
+            marks["restart_error"] = str(e)[-3000:]
+            return
+        marks.update(up=time.monotonic(), restart_error=None, held_after_restart=0)
+        deadline = time.monotonic() + 30  # the watch checks every second
+        while time.monotonic() < deadline and marks["held_after_restart"] < marks["named"]:
+            marks["held_after_restart"] = probe.newest_versions(name)[0] or 0
+            time.sleep(0.2)
+    restarted = threading.Thread(target=restart, daemon=True)
+
+    def crash(step):
+        if step == KILL_STEP:
+            marks["named"] = trainer.model_version  # what the rollout worker requests
+            server.kill()  # SIGKILL to every process of the server
+            marks["killed"] = time.monotonic()
+            restarted.start()  # same port, a new instance that holds no adapter
+        elif step == KILL_AGAIN_STEP:
+            restarted.join(timeout=1)
+            marks["pushed_before_2nd_kill"] = trainer.model_version
+            trainer.lora_sync_watch.bound = DOWN_BOUND_S
+            server.kill()
+            marks["killed_again"] = time.monotonic()
+
+    try:
+        with server, RecordingProxy(server.url) as proxy, \
+                LoRASyncClient(server.url, api_key=API_KEY, timeout=10) as probe:
+            trainer = trainer_for(model_dir, tmp_path, [server.url], API_KEY, lora_sync_name=name,
+                                  lora_sync_restart_timeout=RESTART_BOUND_S,
+                                  lora_sync_health_interval=1.0,
+                                  config={"vllm_server_base_url": proxy.url, "max_steps": 12})
+            trainer.add_callback(AfterSync(crash))
+            try:
+                with pytest.raises(ServerDown) as raised:
+                    trainer.train()
+                stopped = time.monotonic()
+            finally:
+                trainer.lora_sync_client.close()
+                if restarted.ident is not None:  # started: a start is bounded by its timeout
+                    restarted.join(timeout=server.start_timeout + 10)
+            assert marks.get("restart_error", "never ran") is None, marks["restart_error"]
+    finally:
+        server.stop()
+
+    # Stopped by the second kill, with the clear error, after the bound and soon after it.
+    assert trainer.state.global_step == KILL_AGAIN_STEP
+    err = raised.value
+    assert err.server == server.url and server.url in str(err) and "unreachable" in str(err)
+    assert "lora_sync_restart_timeout" in str(err) and "Restart the server" in str(err)
+    took = stopped - marks["killed_again"]
+    assert DOWN_BOUND_S <= took < DOWN_BOUND_S + 40, took
+    # Rode out the restart: every step pushed its version, one after another, all on the
+    # restarted server after the first kill, which the watch saw come back.
+    pushed = [r.version for [r] in trainer.lora_sync_pushes]
+    assert pushed == list(range(pushed[0], pushed[0] + KILL_AGAIN_STEP + 1)), pushed
+    assert all(r.ok for [r] in trainer.lora_sync_pushes)
+    assert pushed[-1] == marks["pushed_before_2nd_kill"] > marks["named"]
+    # The watch saw the restart and gave the server back what it held: the version the
+    # worker named and those before it in the servers' window (TRL's worker retries each
+    # request with the version it named then).
+    events = [e for e in trainer.lora_sync_watch.events if e["server"] == server.url]
+    [back] = [e for e in events if e["restarted"]]
+    keep = trainer.lora_sync_restore_versions
+    assert back["resynced"] == [f"{name}-v{v}" for v in range(
+        max(pushed[0], marks["named"] - keep + 1), marks["named"] + 1)], (back, marks)
+    print(f"\nrestart: down {back['down_s']:.0f} s, resynced {back['resynced']}; ServerDown "
+          f"{took:.0f} s after the second kill; versions pushed {pushed}")
+    # The restarted server held the version the worker named (or a newer one) once it was
+    # back: rollouts after the restart were served, each by exactly the version it named.
+    assert marks["held_after_restart"] >= marks["named"], marks
+    after = [c for c in proxy.calls if marks["up"] < c["t"] < marks["killed_again"]]
+    served = [c for c in after if c["status"] == 200]
+    assert served, after[-5:]
+    for c in served:
+        assert c["served"] == c["model"] == f"{name}-v{c['version']}", c
+    assert {int(c["version"]) for c in served} <= set(pushed)
+    for c in proxy.calls:  # nothing but 200s, 502s (server down) and 404s (not there yet)
+        assert c["status"] in (200, 404, 502), c
 
 
 @pytest.mark.timeout(180)
