@@ -102,7 +102,7 @@ def clean_slate(fake_server, fake_client):
     problems = list(fake_server.bridge.violations)
     fake_server.bridge.violations.clear()
     assert fake_server.alive(), fake_server.log_tail()
-    if fake_client._group is not None:
+    if fake_client.states["broadcast"].group is not None:
         fake_client.destroy_group()
     for entry in fake_client.adapters()[0]["adapters"]:
         try:

@@ -61,7 +61,7 @@ def test_bad_metadata_refused_before_any_collective(client, make_adapter, model_
         client.broadcast(too_big, "meta")
     # The server refuses on its own too (no trainer-side check): 4xx, no collective entered.
     body = {"lora_name": "meta", "adapter_config": good.config, "group_name": "default",
-            "group_token": client._group.tokens[client.servers[0].url], "transfer_id": 1, "tensors": [{"name": "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
+            "group_token": client.states["broadcast"].group.tokens[client.servers[0].url], "transfer_id": 1, "tensors": [{"name": "base_model.model.model.layers.9.mlp.up_proj.lora_A.weight",
                          "dtype": "F32", "shape": [8, 128]}]}
     status, reply, _ = http.request("POST", client.servers[0].route(
         "load_lora_adapter_from_distributed"), json_body=body, headers=AUTH)

@@ -84,7 +84,7 @@ def test_every_version_lands_on_every_replica(dp_server, make_adapter, tmp_path,
 
         [pushed] = client.push(make_adapter(711), "dp-t", transport="tensors")
         client.init_group()  # world = trainer + every replica's workers
-        assert client._group.world_size == 1 + REPLICAS
+        assert client.states["broadcast"].group.world_size == 1 + REPLICAS
         [broadcast] = client.push(make_adapter(712), "dp-b", transport="broadcast")
         client.destroy_group()
         ids = {r["adapter_id"] for r in (pushed.reply, broadcast.reply) if "adapter_id" in r}

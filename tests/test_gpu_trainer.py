@@ -141,9 +141,9 @@ def test_a_lease_readied_after_a_gpu_push_is_registered_and_let_go(monkeypatch):
     for another name is released when discarded. STAND-IN: no server runs on the GPU
     machine, so the grant, renew and cancel calls are answered here with leases of this
     process (the client opens them through /proc like any server's)."""
-    from lora_sync.transports import ready_lease
+    from lora_sync.transports.shm import ready_lease
     from lora_sync.transports.base import Server
-    from lora_sync.transports.ready_lease import ReadyLeases
+    from lora_sync.transports.shm.ready_lease import ReadyLeases
     fds, pins = [], []
 
     def post(self, server, route, body):

@@ -66,8 +66,8 @@ def sending_instead(sent):
 
 def drop_refused_group(client):
     """The server dropped the group after the lie; the trainer's end goes too."""
-    client._group.pg.shutdown()
-    client._group = None
+    client.states["broadcast"].group.pg.shutdown()
+    client.states["broadcast"].group = None
 
 
 def wait_drained(client, name, timeout_s=30):
@@ -219,7 +219,7 @@ def test_random_operation_sequences_keep_the_invariants(request, make_adapter, e
         @rule(name=st.sampled_from(NAMES), seed=st.sampled_from(SEEDS),
               transport=st.sampled_from(transports))
         def push(self, name, seed, transport):
-            if transport == "broadcast" and client._group is None:
+            if transport == "broadcast" and client.states["broadcast"].group is None:
                 client.init_group(timeout_s=20)
             [res] = client.push(adapters[seed], name, transport=transport)
             versions = self.served.setdefault(name, {})
@@ -232,7 +232,7 @@ def test_random_operation_sequences_keep_the_invariants(request, make_adapter, e
         @rule(name=st.sampled_from(NAMES), seed=st.sampled_from(SEEDS))
         def lying_broadcast(self, name, seed):
             """Declares one adapter, sends another: refused, and nothing changes."""
-            if client._group is None:
+            if client.states["broadcast"].group is None:
                 client.init_group(timeout_s=20)
             with sending_instead(liar), pytest.raises(LoRASyncError) as e:
                 client.push(adapters[seed], name, transport="broadcast")
@@ -284,7 +284,7 @@ def test_random_operation_sequences_keep_the_invariants(request, make_adapter, e
     try:
         Fuzz.TestCase().runTest()
     finally:
-        if client._group is not None:
+        if client.states["broadcast"].group is not None:
             client.destroy_group()
         for name in NAMES:
             try:

@@ -89,7 +89,7 @@ def test_a_push_can_name_only_a_layout_its_group_holds(fake_server, make_adapter
         mine.init_group(timeout_s=20, group_name=f"g{run}")
         other.init_group(timeout_s=20, group_name=f"h{run}")
         other.broadcast(make_adapter(90, rank=32), f"other{run}")
-        groups = {"mine": mine._group, "other": other._group}
+        groups = {"mine": mine.states["broadcast"].group, "other": other.states["broadcast"].group}
         held_before = []
 
         def honest(rank, seed):
@@ -176,4 +176,4 @@ def test_a_push_whose_request_never_left_breaks_the_group_without_waiting(make_f
         assert time.monotonic() - t0 < 15, "the push waited out the group's timeout"
         assert e.value.code in ("unreachable", "connection_failed"), e.value
         assert group.broken
-        c._group = None  # nothing left to destroy on a stopped server
+        c.states["broadcast"].group = None  # nothing left to destroy on a stopped server

@@ -145,11 +145,11 @@ def test_only_a_lease_readied_ahead_gets_huge_pages(make_fake_server):
     server = make_fake_server()
     nbytes = HUGE + 4096
     with LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key) as client:
-        client.ready_leases.want(client.servers[0], "huge", nbytes)
-        client.ready_leases.start()
-        assert client.ready_leases.count() == 1
-        ready = client.ready_leases.ready_for(server.url)
-        fresh = shm.Lease.from_json(client.ready_leases._post(
+        client.states["shm"].ready.want(client.servers[0], "huge", nbytes)
+        client.states["shm"].ready.start()
+        assert client.states["shm"].ready.count() == 1
+        ready = client.states["shm"].ready.ready_for(server.url)
+        fresh = shm.Lease.from_json(client.states["shm"].ready._post(
             client.servers[0], shm.LEASE_ROUTE, {"nbytes": nbytes}), server.url, nbytes)
         read_fd = shm.write_lease(fresh, [bytes(nbytes)])
         try:

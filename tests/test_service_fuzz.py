@@ -68,7 +68,7 @@ def test_random_operation_sequences_keep_the_invariants(fake_server, make_adapte
               transport=st.sampled_from(["tensors", "shm", "auto", "broadcast"]))
         def push(self, which, seed, transport):
             name = self.names[which]
-            if transport == "broadcast" and client._group is None:
+            if transport == "broadcast" and client.states["broadcast"].group is None:
                 client.init_group(timeout_s=20)
             [res] = client.push(adapters[seed], name, transport=transport)
             assert res.version == max(self.served.get(name, {}), default=0) + 1, res
@@ -150,7 +150,7 @@ def test_random_operation_sequences_keep_the_invariants(fake_server, make_adapte
         def teardown(self):
             """Whatever the sequence, no lease is left that the client does not hold ready:
             the late grant of one a push overtook is cancelled once it comes."""
-            wait_until(lambda: client.ready_leases.count() == open_leases(client),
+            wait_until(lambda: client.states["shm"].ready.count() == open_leases(client),
                        timeout_s=10, what="the server's open leases are the client's ready ones")
 
         @invariant()
@@ -174,6 +174,6 @@ def test_random_operation_sequences_keep_the_invariants(fake_server, make_adapte
         wait_until(lambda: bridge.held_ids() == [set()], timeout_s=5,
                    what="the workers free every retired version")
     finally:
-        if client._group is not None:
+        if client.states["broadcast"].group is not None:
             client.destroy_group()
         client.close()

@@ -218,7 +218,7 @@ def test_abused_leases_are_refused_and_change_nothing(fake_client, make_adapter)
         assert status == 400, bad
     assert versions_of(c, "abuse") == [1, 2] and greedy(c, "abuse") == after
     assert greedy(c, "abuse-v1") == before
-    assert c.ready_leases.count() == open_leases(c)
+    assert c.states["shm"].ready.count() == open_leases(c)
 
 
 def test_leases_never_committed_expire(make_fake_server):
@@ -235,8 +235,8 @@ def test_leases_never_committed_expire(make_fake_server):
 
 
 def ready_ticket(client) -> dict:
-    client.ready_leases.count()  # waits for the one being readied
-    ready = client.ready_leases.ready_for(client.servers[0].url)
+    client.states["shm"].ready.count()  # waits for the one being readied
+    ready = client.states["shm"].ready.ready_for(client.servers[0].url)
     assert ready is not None, "no lease was readied"
     return ready.lease.ticket()
 
@@ -251,7 +251,7 @@ def test_a_push_readies_the_next_lease_and_the_next_push_fills_it(make_fake_serv
     with LoRASyncClient(server.url, api_key=server.api_key) as c:
         c.push(small, "ahead", transport="shm")
         first = ready_ticket(c)
-        assert c.ready_leases.count() == open_leases(c) == 1
+        assert c.states["shm"].ready.count() == open_leases(c) == 1
         c.push(make_adapter(seed=853), "ahead", transport="shm")
         assert greedy(c, "ahead") == served_text(make_adapter(seed=853))
         assert commit(c, first)[0] == 404  # committed by the push: it is gone
@@ -328,7 +328,7 @@ def test_a_push_before_its_ready_lease_is_granted_leases_the_usual_way(
         assert "copy" not in res.reply["timings_ms"]  # not into a ready lease
         assert v1_id in server.bridge.freed
         assert greedy(c, "early") == served_text(make_adapter(seed=950))
-        assert c.ready_leases.count() == open_leases(c) <= 1  # the late one was cancelled
+        assert c.states["shm"].ready.count() == open_leases(c) <= 1  # the late one was cancelled
     with LoRASyncClient(server.url, api_key=server.api_key) as c:
         assert open_leases(c) == 0
 
@@ -341,11 +341,11 @@ def test_a_ready_lease_held_for_the_frees_outlasts_a_short_client_timeout(
     free_timing(monkeypatch, quiet_s=1.0, max_s=5.0)
     server = make_fake_server()
     with LoRASyncClient(server.url, api_key=server.api_key, timeout=2.0) as c:
-        assert c.ready_leases.timeout < 1.0
+        assert c.states["shm"].ready.timeout < 1.0
         for i in range(KEEP):
             c.push(make_adapter(seed=960 + i), "patient", transport="tensors")
         c.push(make_adapter(seed=970), "patient", transport="shm")  # retires v1: 1 s to go
-        assert c.ready_leases.count() == open_leases(c) == 1
+        assert c.states["shm"].ready.count() == open_leases(c) == 1
 
 
 def status_of_renew(client, ticket: dict) -> int:
@@ -367,8 +367,8 @@ def test_a_ready_lease_is_renewed_and_one_that_lapsed_is_replaced(make_fake_serv
         assert commit(c, ticket)[0] == 404
         assert greedy(c, "renewed") == served_text(make_adapter(seed=862))
 
-        c.ready_leases.count()
-        c.ready_leases.ready_for(server.url).timer.cancel()  # its renewals stop
+        c.states["shm"].ready.count()
+        c.states["shm"].ready.ready_for(server.url).timer.cancel()  # its renewals stop
         wait_until(lambda: open_leases(c) == 0, timeout_s=5, what="the ready lease lapsed")
         [res] = c.push(make_adapter(seed=863), "renewed", transport="shm")
         assert res.version == 3 and greedy(c, "renewed") == served_text(make_adapter(seed=863))
@@ -380,14 +380,14 @@ def test_a_ready_lease_is_renewed_and_one_that_lapsed_is_replaced(make_fake_serv
         assert status_of_renew(c, {"lease_id": 5, "token": "x"}) == 400
         assert status_of_renew(c, granted.ticket()) == 200
         c.push(make_adapter(seed=864), "plain", transport="shm")
-        assert c.ready_leases is None and open_leases(c) == 1  # only the one granted above
+        assert c.states["shm"].ready is None and open_leases(c) == 1  # only the one granted above
 
 
 def test_lease_bounds_rest_on_no_client_declared_id(fake_client):
     """A client id is self-declared, so it bounds nothing: leases asked under ever new ids
     still stop at the server's total (8), and every id gets the same 429 there."""
     c = fake_client
-    c.ready_leases.release()
+    c.states["shm"].ready.release()
     held = []
     try:
         for i in range(12):
@@ -404,14 +404,14 @@ def test_lease_bounds_rest_on_no_client_declared_id(fake_client):
     finally:
         for granted in held:
             cancel(c, granted)
-    assert c.ready_leases.count() == open_leases(c)
+    assert c.states["shm"].ready.count() == open_leases(c)
 
 
 def test_open_leases_and_uploads_share_one_staging_budget(fake_client, make_adapter):
     """Open leases and uploads share one staging budget (6 MB): while leases hold it, a
     tensors push and another lease are a 429 staging_full, and an auto push fails too."""
     c = fake_client
-    c.ready_leases.release()  # a lease readied by an earlier push holds budget too
+    c.states["shm"].ready.release()  # a lease readied by an earlier push holds budget too
     leases = [lease(c, 3 * 2 ** 20) for _ in range(2)]
     try:
         with pytest.raises(LoRASyncError) as refused:

@@ -57,7 +57,7 @@ def test_auto_picks_shm_on_the_same_host_and_leaks_no_lease_detail(fake_client, 
     listed = json.dumps(fake_client.adapters()[0]) + json.dumps(res.reply)
     assert "/proc/" not in listed and "token" not in listed and "lease_id" not in listed
     # The only lease left open is the one readied for this name's next push.
-    assert fake_client.ready_leases.count() == open_leases(fake_client) == 1
+    assert fake_client.states["shm"].ready.count() == open_leases(fake_client) == 1
 
 
 @pytest.mark.parametrize("transport", ["tensors", "shm", "broadcast"])

@@ -6,6 +6,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from dataclasses import replace
 
 from .. import http, naming, replies
 from . import sharded
@@ -14,14 +15,15 @@ from ..collective import free_port
 from ..engines import engine
 from ..errors import LoRASyncError, PushFailed, TooBusy
 from .fleet import FleetMemory, Newest
-from ..transports import TRANSPORTS, broadcast
-from ..transports.base import PackedCopy, PushResult, SendContext, Server, Transport, \
-    with_protocol
-from ..transports.ready_lease import ReadyLeases
-from ..transports.shm import LeaseRefused
+from ..transports import TRANSPORTS
+from ..transports.base import ClientConfig, PushResult, SendContext, Server, Transport, \
+    Unavailable, with_protocol
 
 # The engines' own routes for adapters on disk (the baseline lora-sync replaces).
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
+# What `auto` tries on each server, in order: each transport says where it stands.
+AUTO = sorted((t for t in TRANSPORTS.values() if t.auto_order is not None),
+              key=lambda t: t.auto_order)
 ON_ERROR = ("raise", "skip")
 # How long past a call's deadline a server's thread may take to report before the call
 # gives up on it (its HTTP calls already end at the deadline; this covers the rest).
@@ -75,8 +77,9 @@ class LoRASyncClient:
     server that has not answered by then is that server's failure (`unreachable`).
     `remember`: keep a copy of each name's newest adapter so a restarted server gets it
     back (`resync`); False keeps only version numbers (see lora_sync/fleet.py).
-    `lease_ahead`: after each shm push, ready the next lease of that name on a thread (see
-    transports/ready_lease.py): the next push only copies. False: none is held between pushes.
+    `lease_ahead`: a transport may ready what the next push of a name will use ahead of it
+    (shm: the next lease, on a thread; transports/shm/ready_lease.py): the next push only
+    copies. False: nothing is held between pushes.
 
     Every reply is read as its route's typed message, at most 16 MiB; anything else is a
     LoRASyncError `bad_reply` naming the server (`e.server`)."""
@@ -92,13 +95,12 @@ class LoRASyncClient:
         # up on sooner, and leaves most of the call's time to the push itself.
         self.probe_timeout = min(timeout / 4, 10.0)
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.servers)))
-        self._group = None  # set by init_group (broadcast transport)
-        self._same_host: dict[str, bool] = {}  # server url -> its shm leases reach us
         self.memory = FleetMemory(remember)
         self._name_locks: dict[str, threading.Lock] = {}
-        self.client_id = uuid.uuid4().hex  # servers bound shm leases per client by it
-        self.ready_leases = ReadyLeases(self.headers, self.client_id, self.probe_timeout) \
-            if lease_ahead else None
+        self.client_id = uuid.uuid4().hex  # a label in the servers' logs, never a bound
+        config = ClientConfig(self.headers, self.client_id, self.probe_timeout, lease_ahead)
+        # What each transport keeps between pushes (readied leases, an update group).
+        self.states = {name: t.new_client_state(config) for name, t in TRANSPORTS.items()}
 
     # -- pushes -------------------------------------------------------------------------
     def push(self, adapter, name: str, version: int | None = None, transport: str = "auto",
@@ -154,8 +156,8 @@ class LoRASyncClient:
             return self._push_in_order(adapter, name, version, transport, checksum, deadline)
         finally:
             lock.release()
-            if self.ready_leases is not None:
-                self.ready_leases.start()  # the next leases, readied after this push
+            for name, t in TRANSPORTS.items():
+                t.after_push(self.states[name])
 
     def _push_in_order(self, adapter: LoRAAdapter, name, version, transport, checksum,
                        deadline: float):
@@ -166,17 +168,16 @@ class LoRASyncClient:
         # What the client keeps of the push, for a resync: what the push itself left where
         # it leaves one (shm: the sealed lease; broadcast on CPU: the packed frames), else a
         # copy made while the servers work on the push.
-        viewed = self.memory.remember and (
-            TRANSPORTS[transport].keeps_copy(self._group) if transport != "auto" else
-            all(self._same_host.get(s.url, True) for s in self.servers))
+        viewed = self.memory.remember and all(
+            t.keeps_copy(self.states[t.name]) for t in
+            ([TRANSPORTS[transport]] if transport != "auto" else
+             [self._auto_choices(s)[0] for s in self.servers]))
         copied = []
 
         def kept_of(results) -> Newest | None:
             kept = next((r.kept for r in results if r.ok and r.kept is not None), None)
-            if isinstance(kept, PackedCopy):
-                return Newest(0, LoRAAdapter(kept.tensors, dict(adapter.config)), kept.flat)
             if kept is not None:
-                return Newest(0, None, sealed=kept, config=dict(adapter.config))
+                return kept.remember(adapter.config)
             if not copied:  # shm fell back to HTTP: copy now, before the call returns
                 copied.append(self.memory.snapshot(name, adapter))
             return copied[0]
@@ -210,7 +211,7 @@ class LoRASyncClient:
         finishes it."""
         bodies = _BodiesOut(len(self.servers))
         ctx = SendContext(name, version, checksum, self.headers, self.timeout, self.client_id,
-                          self._group, self.ready_leases, keep,
+                          self.states.get(transport), True, keep,
                           self.memory.spare(name) if keep else None, bodies.sent)
         sender = TRANSPORTS.get(transport)  # None: "auto", chosen per server
         outgoing = sender.prepare(adapter, ctx) if sender else None
@@ -241,19 +242,25 @@ class LoRASyncClient:
                     r.kept = packed
         return results
 
+    def _auto_choices(self, server: Server) -> list[Transport]:
+        """What `auto` tries on `server`, in order; the last always reaches it."""
+        return [t for t in AUTO[:-1] if t.reaches(server, self.states[t.name])] + AUTO[-1:]
+
     def _push_auto(self, server: Server, adapter, ctx: SendContext) -> PushResult:
-        """Shared memory until a lease is out of reach from here, then HTTP for good; a
-        lease refused for want of room sends this push over HTTP."""
-        if self._same_host.get(server.url, True):
-            shm = TRANSPORTS["shm"]
+        """Each transport in `auto`'s order that reaches the server, until one takes the
+        push: one that finds it cannot (None), or has no room now (Unavailable), passes it
+        on; the last one's answer stands."""
+        *first, last = self._auto_choices(server)
+        for t in first:
+            mine = replace(ctx, state=self.states[t.name])
             try:
-                result = shm.send(shm.prepare(adapter, ctx), server, ctx)
-                self._same_host[server.url] = result is not None
-            except LeaseRefused:
-                result = None
+                result = t.send(t.prepare(adapter, mine), server, mine)
+            except Unavailable:
+                continue
             if result is not None:
                 return result
-        return self._push_with(TRANSPORTS["tensors"], adapter, server, ctx)
+        mine = replace(ctx, state=self.states[last.name])
+        return self._push_with(last, last.prepare(adapter, mine), server, mine)
 
     @staticmethod
     def _push_with(transport: Transport, outgoing, server: Server,
@@ -317,7 +324,8 @@ class LoRASyncClient:
             return version not in have and max(have, default=0) <= version
         for name, newest in self.memory.newest_copies(lost):
             self._push_auto(server, newest.adapter, SendContext(
-                name, newest.version, False, self.headers, self.timeout, self.client_id))
+                name, newest.version, False, self.headers, self.timeout, self.client_id,
+                ahead=False))
             pushed.append(naming.versioned(name, newest.version))
         self.memory.stale.discard(server.url)
         return pushed
@@ -362,10 +370,9 @@ class LoRASyncClient:
                    backend: str = "gloo", group_name: str = "default",
                    timeout_s: float = 120.0, **kw):
         """Joins every worker of every server into a group with this process as rank 0."""
-        self._group = broadcast.init_group(self.servers, self.headers, self.info(),
-                                           master_address, master_port or free_port(),
-                                           backend, group_name, timeout_s, **kw)
-        return self._group
+        return TRANSPORTS["broadcast"].open_group(
+            self.states["broadcast"], self.servers, self.headers, self.info(), master_address,
+            master_port or free_port(), backend, group_name, timeout_s, **kw)
 
     def broadcast(self, adapter, name: str, version: int | None = None,
                   checksum: bool = False, dtype=None, group=None) -> list[PushResult]:
@@ -375,9 +382,8 @@ class LoRASyncClient:
                          group=group)
 
     def destroy_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            broadcast.destroy_group(self.servers, self.headers, group, self.timeout)
+        TRANSPORTS["broadcast"].close_group(self.states["broadcast"], self.servers,
+                                            self.headers, self.timeout)
 
     # -- disk (the engines' own route; the baseline) -----------------------------------
     def load_from_disk(self, path: str, served_name: str) -> list[float]:
@@ -487,10 +493,9 @@ class LoRASyncClient:
         return out
 
     def close(self):
-        if self._group is not None:
-            self.destroy_group()
-        if self.ready_leases is not None:
-            self.ready_leases.close()
+        self.destroy_group()
+        for name, t in TRANSPORTS.items():
+            t.close_client_state(self.states[name])
         self._pool.shutdown(wait=False)
 
     def __enter__(self):

@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar
 
 from .. import naming
 from ..engines import engine as engine_named
-from ..errors import BadRequest
+from ..errors import BadRequest, TooBusy
 from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, parse_config
 from ..http import check_url
 from ..messages import IntakeRequest
@@ -68,6 +68,15 @@ class Server:
 
 
 @dataclass(frozen=True)
+class ClientConfig:
+    """What a client tells each transport when it makes that transport's client state."""
+    headers: dict
+    client_id: str                # a label the client gives itself (never a bound)
+    probe_timeout: float          # for small background calls
+    lease_ahead: bool = True      # may ready resources for the next push ahead of it
+
+
+@dataclass(frozen=True)
 class SendContext:
     """One push as the client hands it to a transport's trainer side."""
     name: str
@@ -76,12 +85,26 @@ class SendContext:
     headers: dict
     timeout: float
     client_id: str
-    group: Any = None             # the client's update group (broadcast), if it made one
-    ready: Any = None             # the client's leases readied ahead (shm: ReadyLeases)
-    keep: bool = False            # return the tensors as pushed where that is free (shm,
-                                  # broadcast on CPU)
+    state: Any = None             # this transport's client state (`new_client_state`)
+    ahead: bool = True            # may ready what the next push of this name will use
+    keep: bool = False            # return the tensors as pushed where that is free
+                                  # (`keeps_copy`)
     spare: Any = None             # with `keep`: a buffer of the client's to pack into
     body_sent: Callable[[], None] | None = None  # call once this server's body has left
+
+
+class Unavailable(TooBusy):
+    """This transport cannot take this push on this server now, for want of room (the
+    server's code says which): `auto` sends it with its next choice."""
+
+
+class KeptCopy(ABC):
+    """What a push left the client of the tensors as pushed (`PushResult.kept`), so the
+    client remembers them for a resync without a copy of its own."""
+
+    @abstractmethod
+    def remember(self, config: dict):
+        """The client's record of it (trainer.fleet.Newest, its version set later)."""
 
 
 @dataclass
@@ -133,11 +156,27 @@ class PushResult:
 
 
 @dataclass(frozen=True)
-class PackedCopy:
+class PackedCopy(KeptCopy):
     """The adapter as a transport packed it anyway, in host memory (broadcast's frames):
     the client keeps it as the pushed copy instead of making a second one."""
     tensors: dict                 # name -> a view into `flat`
     flat: Any                     # the one buffer (a torch.uint8 tensor) they view
+
+    def remember(self, config: dict):
+        from ..adapter import LoRAAdapter
+        from ..trainer.fleet import Newest
+        return Newest(0, LoRAAdapter(self.tensors, dict(config)), self.flat)
+
+
+@dataclass(frozen=True)
+class SealedCopy(KeptCopy):
+    """The file as the server holds it, mapped read-only (a sealed shm lease): nobody can
+    change it, so the client views its tensors only when a resync needs them."""
+    view: Any
+
+    def remember(self, config: dict):
+        from ..trainer.fleet import Newest
+        return Newest(0, None, sealed=self.view, config=dict(config))
 
 
 # -- server side (API process) ----------------------------------------------------------
@@ -240,10 +279,28 @@ class Transport(ABC):
         """Path (without the engine's prefix) -> Route."""
 
     # trainer side
-    def keeps_copy(self, group) -> bool:
+    # Where `auto` tries this transport on a server: lower first; None, never (a transport
+    # that is not per server, or needs set-up the caller asks for).
+    auto_order: ClassVar[int | None] = None
+
+    def new_client_state(self, config: ClientConfig) -> Any:
+        """What this transport keeps between pushes in one client (SendContext.state)."""
+        return None
+
+    def close_client_state(self, state) -> None:
+        """The client closes: let go of what the state holds."""
+
+    def after_push(self, state) -> None:
+        """Each push of the client ended (whatever transport it took)."""
+
+    def reaches(self, server: Server, state) -> bool:
+        """Whether `auto` should try this transport on `server` (as far as the client
+        knows: a send may still find it cannot)."""
+        return True
+
+    def keeps_copy(self, state) -> bool:
         """Whether a push with `SendContext.keep` leaves the client the tensors as pushed
-        (`PushResult.kept`), so it need not copy them itself. `group`: the client's update
-        group, if any."""
+        (`PushResult.kept`), so it need not copy them itself."""
         return False
 
     def prepare(self, adapter, ctx: SendContext):

@@ -345,6 +345,12 @@ async def allowed_trainer(host: str, allowed: tuple) -> str:
     return sorted(addresses)[0]
 
 
+@dataclass
+class BroadcastClientState:
+    """A client's update group, once it made one (`open_group`)."""
+    group: TrainerGroup | None = None
+
+
 class BroadcastTransport(Transport):
     name = "broadcast"
     push_path = f"/{LOAD_ROUTE}"
@@ -359,10 +365,25 @@ class BroadcastTransport(Transport):
                                            self.destroy)}
 
     # trainer side
+    def new_client_state(self, config) -> BroadcastClientState:
+        return BroadcastClientState()
+
+    def open_group(self, state: BroadcastClientState, servers: list, headers: dict,
+                   infos: list, *args, **kw) -> TrainerGroup:
+        """The client's group with every worker of `servers` (`init_group`)."""
+        state.group = init_group(servers, headers, infos, *args, **kw)
+        return state.group
+
+    def close_group(self, state: BroadcastClientState, servers: list, headers: dict,
+                    timeout: float) -> None:
+        group, state.group = state.group, None
+        if group is not None:
+            destroy_group(servers, headers, group, timeout)
+
     def prepare(self, adapter: LoRAAdapter, ctx: SendContext) -> Outgoing:
         """Checks the adapter against every server (before any collective call), then
         starts the collective send: it completes once every server's workers receive."""
-        group = ctx.group
+        group = ctx.state.group if ctx.state is not None else None
         if group is None:
             raise RuntimeError("call init_group() before pushing with transport='broadcast'")
         if group.broken:
@@ -378,7 +399,7 @@ class BroadcastTransport(Transport):
 
         # Packing copies the tensors anyway: where the client keeps what it pushed, it packs
         # into the client's buffer and the frames are that copy (one copy, not two).
-        kept = ctx.keep and self.keeps_copy(group)
+        kept = ctx.keep and self.keeps_copy(ctx.state)
         frames = group.send_buffers
         if kept:  # the client's spare, or a new buffer
             frames = {"frames": ctx.spare} if ctx.spare is not None else {}
@@ -403,7 +424,8 @@ class BroadcastTransport(Transport):
         out.sender = threading.Thread(target=send, daemon=True, name="lora-sync-broadcast")
         return out
 
-    def keeps_copy(self, group) -> bool:
+    def keeps_copy(self, state: BroadcastClientState) -> bool:
+        group = state.group if state is not None else None
         return group is not None and group.device == "cpu"  # the client keeps host memory
 
     def send(self, out: Outgoing, server: Server, ctx: SendContext) -> PushResult:
@@ -437,7 +459,8 @@ class BroadcastTransport(Transport):
         return out.copy
 
     def send_timeout(self, ctx: SendContext) -> float | None:
-        return ctx.group.timeout_s + 60 if ctx.group is not None else None
+        group = ctx.state.group if ctx.state is not None else None
+        return group.timeout_s + 60 if group is not None else None
 
     # server side
     def new_state(self, limits) -> Groups:

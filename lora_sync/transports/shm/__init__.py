@@ -17,12 +17,14 @@ from .messages import (CANCEL_ROUTE, COMMIT_ROUTE, LEASE_ROUTE, MEMFD_NAME, PROB
                        RENEW_ROUTE, CommitRequest, Lease, LeaseRequest)
 from .trainer import (LeaseRefused, map_lease, open_lease, reopen_read_only, total_bytes,
                       write_lease, write_mapped, write_then_unmap)
-from .transport import ShmTransport
+from .ready_lease import ReadyLeases
+from .transport import ShmClientState, ShmTransport
 from .worker import map_read_only, map_sealed, read_sealed, view_sealed
 
 __all__ = ["LeaseTable", "SealedBody", "is_sealed", "new_lease", "read_header",
            "seal_and_read_header", "seal_wait_s", "CANCEL_ROUTE", "COMMIT_ROUTE", "LEASE_ROUTE",
            "MEMFD_NAME", "PROBE_BYTES", "RENEW_ROUTE", "CommitRequest", "Lease", "LeaseRequest",
            "LeaseRefused", "map_lease", "open_lease", "reopen_read_only", "total_bytes",
-           "write_lease", "write_mapped", "write_then_unmap", "ShmTransport", "map_read_only",
+           "write_lease", "write_mapped", "write_then_unmap", "ReadyLeases", "ShmClientState",
+           "ShmTransport", "map_read_only",
            "map_sealed", "read_sealed", "view_sealed", "_SEALS"]

@@ -28,12 +28,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from .. import http, replies
-from ..background import Yielding
-from ..errors import LoRASyncError
-from .base import Server
-from .device_copy import HostPin
-from .shm import CANCEL_ROUTE, LEASE_ROUTE, RENEW_ROUTE, Lease, map_lease
+from ... import http, replies
+from ...background import Yielding
+from ...errors import LoRASyncError
+from ..base import Server
+from ..device_copy import HostPin
+from .messages import CANCEL_ROUTE, LEASE_ROUTE, RENEW_ROUTE, Lease
+from .trainer import map_lease
 
 log = logging.getLogger(__name__)
 # A background call (grant, renewal, cancel) gives up after this: nothing waits on it but

@@ -12,8 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ... import http, pages
-from ...errors import TooBusy
-from ..base import SendContext, Server
+from ..base import SendContext, Server, Unavailable
 from ..device_copy import HostPin, copy_to_host, on_device
 from .messages import Lease, MEMFD_NAME, PROBE_BYTES, _LEASE_PATH
 
@@ -266,6 +265,6 @@ class _CopyOnSent:
             raise error
 
 
-class LeaseRefused(TooBusy):
+class LeaseRefused(Unavailable):
     """The server granted no lease for want of room (429: too many open leases, staging
     full): `transport="auto"` sends this push over HTTP instead; the code is the server's."""

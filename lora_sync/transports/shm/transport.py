@@ -3,20 +3,30 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from ... import wire
 from ...errors import BadRequest, NotFound, TooBusy
 from ...staging import StagedBody
-from ..base import PushResult, Received, Route, SendContext, Server, ServerContext, Staged, \
-    Transport, staged_file
+from ..base import ClientConfig, PushResult, Received, Route, SealedCopy, SendContext, Server, \
+    ServerContext, Staged, Transport, staged_file
 from ..device_copy import on_device
-from .worker import map_read_only, map_sealed, read_sealed
-from .trainer import LeaseRefused, _CopyOnSent, _post, total_bytes, write_lease
+from .lease_table import LeaseTable
 from .messages import (CANCEL_ROUTE, COMMIT_ROUTE, LEASE_ROUTE, RENEW_ROUTE, CommitRequest, Lease,
                        LeaseRequest)
-from .lease_table import LeaseTable
+from .ready_lease import ReadyLeases
+from .trainer import LeaseRefused, _CopyOnSent, _post, total_bytes, write_lease
+from .worker import map_read_only, map_sealed, read_sealed
+
+
+@dataclass
+class ShmClientState:
+    """A client's shm state: its leases readied ahead (None: it readies none), and which
+    servers' leases it found out of reach (another host or PID namespace)."""
+    ready: ReadyLeases | None
+    reach: dict = field(default_factory=dict)  # server url -> its leases reach us
 
 
 class ShmTransport(Transport):
@@ -33,32 +43,54 @@ class ShmTransport(Transport):
                 f"/{RENEW_ROUTE}": Route(ticket, self.renew),
                 self.push_path: Route(ticket)}
 
-    def keeps_copy(self, group) -> bool:
+    # trainer side
+    auto_order = 0  # first: on the trainer's host nothing is cheaper
+
+    def new_client_state(self, config: ClientConfig) -> "ShmClientState":
+        return ShmClientState(ReadyLeases(config.headers, config.client_id,
+                                          config.probe_timeout) if config.lease_ahead else None)
+
+    def close_client_state(self, state: "ShmClientState") -> None:
+        if state.ready is not None:
+            state.ready.close()
+
+    def after_push(self, state: "ShmClientState") -> None:
+        if state.ready is not None:
+            state.ready.start()  # the next leases, readied after this push
+
+    def reaches(self, server: Server, state: "ShmClientState") -> bool:
+        return state.reach.get(server.url, True)
+
+    def keeps_copy(self, state) -> bool:
         return True  # the sealed lease, where the server is reachable (else HTTP, no copy)
 
-    # trainer side
     def prepare(self, adapter, ctx: SendContext) -> list:
         return wire.layout(adapter.tensors, adapter.metadata(ctx.name, ctx.version,
                                                               ctx.checksum))
 
     def send(self, parts: list, server: Server, ctx: SendContext) -> PushResult | None:
-        """Into the lease the client readied for this name (`ctx.ready`, see ready_lease.py)
-        if it has one, else lease, write, commit. None (after cancelling the lease) when the
-        server's memory is not reachable from this process: the caller falls back to HTTP.
-        After a push, it asks for the next lease of this size to be readied."""
+        """Into the lease the client readied for this name (ready_lease.py) if it has one,
+        else lease, write, commit. None (after cancelling the lease) when the server's
+        memory is not reachable from this process, which the state remembers (`reaches`):
+        `auto` then takes HTTP. After a push, it asks for the next lease of this size to be
+        readied (`ctx.ahead`)."""
+        state: ShmClientState | None = ctx.state
+        ready = state.ready if state is not None and ctx.ahead else None
         nbytes = total_bytes(parts)
         result = None
-        if ctx.ready is not None:
-            result = self._send_ready(parts, server, ctx, nbytes)
+        if ready is not None:
+            result = self._send_ready(ready, parts, server, ctx, nbytes)
         if result is None:
             result = self._send_fresh(parts, server, ctx, nbytes)
-        if result is not None and ctx.ready is not None:
-            ctx.ready.want(server, ctx.name, nbytes, pin=any(on_device(p) for p in parts))
+        if state is not None:
+            state.reach[server.url] = result is not None
+        if result is not None and ready is not None:
+            ready.want(server, ctx.name, nbytes, pin=any(on_device(p) for p in parts))
         return result
 
-    def _send_ready(self, parts, server, ctx, nbytes) -> PushResult | None:
+    def _send_ready(self, leases, parts, server, ctx, nbytes) -> PushResult | None:
         t0 = time.perf_counter()
-        ready = ctx.ready.take(server, ctx.name, nbytes)
+        ready = leases.take(server, ctx.name, nbytes)
         if ready is None:
             return None
         copy = _CopyOnSent(ready.mapping, parts, ready.pin)
@@ -112,7 +144,7 @@ class ShmTransport(Transport):
         if copy is not None:
             timings["copy"] = copy.seconds * 1e3
         if ctx.keep:
-            result.kept = map_read_only(read_fd)
+            result.kept = SealedCopy(map_read_only(read_fd))
         return result
 
     # server side
