@@ -157,8 +157,11 @@ REAL_SERVER_FIXTURES = {"vllm", "sglang", "server", "client", "vllm_second", "vl
 REAL_SERVER_MODULES = {"test_benchmark", "test_cli", "test_data_parallel", "test_fleet",
                        "test_multihost", "test_netns", "test_rl_loop", "test_sharded",
                        "test_sharded_push"}
-# A test or fixture whose source calls one of these starts a server (or torchrun) itself.
-SERVER_CALLS = re.compile(r"(?<!\w)(vllm_server|sglang_server|_vllm|torchrun|HostNet)\(")
+# A test or fixture whose source calls one of these starts a server (or torchrun) itself;
+# fake_engine_process (tests/fake_server_main.py): lora-sync on the fake engine, but in a
+# process of its own, which `-m "not server"` (in-process tests only) leaves out too.
+SERVER_CALLS = re.compile(
+    r"(?<!\w)(vllm_server|sglang_server|_vllm|torchrun|HostNet|fake_engine_process)\(")
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,9 +18,10 @@ WorkerEngine (one engine worker).
   FakeWorkerEngine   one worker's engine: build = digest, register/unload/cached_ids = a dict
   FakeBridge         the API process's view: N in-process LoRASyncWorkers, the engine's name
                      table (publish/unpublish), requests in flight per adapter (in_use)
-  FakeEngineServer   a FastAPI app on uvicorn (a thread, 127.0.0.1) with lora-sync's routes
-                     and admission, plus fake /v1/completions, /v1/models, /health and the
-                     engine's own disk routes /v1/load_lora_adapter, /v1/unload_lora_adapter;
+  FakeEngineServer   a FastAPI app on uvicorn (a thread, 127.0.0.1 unless told) with
+                     lora-sync's routes and admission, plus fake /v1/completions, /v1/models,
+                     /health and the engine's own disk routes /v1/load_lora_adapter,
+                     /v1/unload_lora_adapter;
                      the same surface tests use on a real ServerProcess (url, engine, api_key,
                      alive(), log_tail(), a context manager).
 
@@ -289,6 +290,7 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
             return await call_next(request)
     app.state.lora_sync = service
+    _mount_metrics(app)
 
     @app.get("/health")
     async def health():
@@ -372,6 +374,22 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
     return app
 
 
+def _mount_metrics(app: FastAPI) -> None:
+    """prometheus_client's registry at /metrics, mounted as vLLM mounts it (its regex serves
+    any path that starts with /metrics); lora-sync's series are there once a test calls
+    metrics.install(service), as the plugins do at start-up."""
+    try:
+        from prometheus_client import make_asgi_app
+    except ImportError:
+        return
+    import re
+
+    from starlette.routing import Mount
+    route = Mount("/metrics", make_asgi_app())
+    route.path_regex = re.compile("^/metrics(?P<path>.*)$")
+    app.routes.append(route)
+
+
 def settings_like_test_servers(env: dict | None = None, **overrides) -> Settings:
     """The Settings a real test server gets from tests/conftest.py's SERVER_ENV (read by
     Settings.from_env, so the two stay alike), with `overrides` on top."""
@@ -402,12 +420,15 @@ class FakeEngineServer:
     `settings`: AdapterService settings (default: like the real test servers, see
     settings_like_test_servers; `**overrides` change single fields, e.g. max_names=3).
     `workers`: fake engine workers (ranks). `engine_keys`: the engine's own API keys.
-    `check_finite`: Settings.check_finite (default: as the test servers, which set it)."""
+    `check_finite`: Settings.check_finite (default: as the test servers, which set it).
+    `host`, `port`: the address to bind (default 127.0.0.1, a free port; tests/
+    fake_server_main.py binds a network namespace's address and a given port)."""
 
     engine = "vllm"  # routes under /v1, like a vLLM server
 
     def __init__(self, settings: Settings | None = None, workers: int = 1,
-                 check_finite: bool | None = None, engine_keys: tuple = (), **overrides):
+                 check_finite: bool | None = None, engine_keys: tuple = (),
+                 host: str = "127.0.0.1", port: int = 0, **overrides):
         self.settings = settings or settings_like_test_servers(**overrides)
         self.api_key = self.settings.api_key
         if check_finite is not None:
@@ -418,8 +439,9 @@ class FakeEngineServer:
         self.bridge = FakeBridge(workers)
         self.service = AdapterService(self.bridge, self.settings)
         self.app = build_app(self.service, self.bridge, tuple(engine_keys))
+        self.host = host
         self.url = ""
-        self.port = 0
+        self.port = port
         self._server = None
         self._thread: threading.Thread | None = None
         self._logs = _LogBuffer()
@@ -429,9 +451,9 @@ class FakeEngineServer:
         import uvicorn
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))  # bound before the thread starts: no port race
+        sock.bind((self.host, self.port))  # bound before the thread starts: no port race
         self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{self.host}:{self.port}"
         for name in LOGGERS:
             logging.getLogger(name).addHandler(self._logs)
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off",

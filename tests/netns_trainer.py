@@ -5,7 +5,8 @@ Usage: python tests/netns_trainer.py OUT.json CONTROL_DIR MODEL_DIR TRAINER_ADDR
 Pushes over HTTP and by broadcast to two servers on two other hosts, times a rank-64
 broadcast to one host and to two, then broadcasts while the controller cuts srv2's link
 (files in CONTROL_DIR say when), and forms groups without srv2 and, once its link is back,
-with it again. Writes what it saw to OUT.json; the test checks it."""
+with it again. Writes what it saw to OUT.json (with what each server on the fake engine
+recorded that a real engine would have crashed on); the test checks it."""
 from __future__ import annotations
 
 import json
@@ -42,6 +43,21 @@ def signal_and_wait(control: Path, say: str, expect: str) -> None:
 def greedy(url: str, model: str) -> str:
     with LoRASyncClient(url, api_key=API_KEY, timeout=30) as c:
         return c.complete("the quick brown", model, 12)["text"]
+
+
+def fake_violations(url: str):
+    """What a server on the fake engine (tests/fake_server_main.py) recorded that a real
+    engine would have crashed on; None from a server that is not one."""
+    import http.client
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        c.request("GET", "/fake/violations")
+        r = c.getresponse()
+        return json.loads(r.read()) if r.status == 200 else None
+    finally:
+        c.close()
 
 
 def broadcast_times(urls, addr, a, name, n=3) -> list[float]:
@@ -93,8 +109,8 @@ def main(out, control, model_dir, addr, url1, url2) -> None:
         report["cut_error"] = f"{type(e).__name__}: {e.code}: {e.message[:300]}"
     report["cut_error_s"] = time.perf_counter() - t0
     collective.send_transfer = send
-    client._group.pg.shutdown()  # the broken group; srv1's side is destroyed below
-    client._group = None
+    client.states["broadcast"].group.pg.shutdown()  # the broken group; srv1's side is destroyed below
+    client.states["broadcast"].group = None
     client.close()
 
     with LoRASyncClient([url1], api_key=API_KEY, timeout=30) as one:
@@ -111,6 +127,7 @@ def main(out, control, model_dir, addr, url1, url2) -> None:
                                                                     "mh", transport="broadcast")]
         report["with_srv2_out"] = [greedy(u, "mh") for u in both]
         client.destroy_group()
+    report["violations"] = [fake_violations(u) for u in both]
     Path(out).write_text(json.dumps(report))
 
 

@@ -1,9 +1,21 @@
-"""A fleet that survives restarts, on real vLLM CPU servers: a server killed with SIGKILL and
-started again gets the newest versions back, a dead server fails only its own part of a push,
-a restarted trainer continues the numbering, and the RL loop rides out a crash mid-run.
+"""A fleet that survives restarts: a server killed with SIGKILL and started again gets the
+newest versions back, a dead server fails only its own part of a push, a restarted trainer
+continues the numbering, and the RL loop rides out a crash mid-run.
 
-The session's second vLLM server (`crashable` here) is killed and restarted on the same
-port; the session's shared server is the healthy peer."""
+test_dead_server_fails_alone_and_gets_the_newest_back: the session's shared vLLM server is
+the healthy peer; the server that is killed (SIGKILL), hung (SIGSTOP) and restarted on the
+same port is lora-sync on the FAKE engine in a process of its own (tests/fake_server_main.py,
+`crashable_fake`): what is checked there (a dead server's part of a push, health, the resync
+after a restart, the client's timeout) is lora-sync's client and server code, not the
+engine's, and a fake process restarts in about two seconds where vLLM takes most of a minute.
+Its text is a digest of the weights its workers hold (engine_fakes.served_text), so "the
+restarted server serves v3" is checked on the exact weights.
+
+test_rl_loop_survives_a_server_killed_mid_run keeps a real vLLM server (the session's second
+one, `crashable`, killed and restarted): examples/rl_loop.py samples n completions with
+token ids and log-probs from its one server and learns from them (the reward must rise), which
+the fake engine cannot answer; the loop's rollouts after the crash come from the restarted
+engine."""
 from __future__ import annotations
 
 import os
@@ -17,12 +29,27 @@ from lora_sync import LoRASyncClient
 from lora_sync.errors import PushFailed
 
 from .conftest import API_KEY
+from .engine_fakes import served_text
+from .fake_server_main import fake_engine_process, violations
 from .helpers import greedy
 
 
 @pytest.fixture
 def crashable(vllm_second):
     return vllm_second
+
+
+@pytest.fixture
+def crashable_fake():
+    """lora-sync on the fake engine in a process of its own (the real test servers'
+    settings), for a test to kill and start again on the same port."""
+    server = fake_engine_process().start()
+    try:
+        yield server
+        assert server.alive(), "the fake server died during the test:\n" + server.log_tail()
+        assert violations(server.url) == []  # what a real engine would have crashed on
+    finally:
+        server.stop()
 
 
 def versions_on(server, name: str) -> list[int]:
@@ -32,7 +59,8 @@ def versions_on(server, name: str) -> list[int]:
                   for v in a["versions"])
 
 
-def test_dead_server_fails_alone_and_gets_the_newest_back(vllm, crashable, make_adapter):
+def test_dead_server_fails_alone_and_gets_the_newest_back(vllm, crashable_fake, make_adapter):
+    crashable = crashable_fake
     client = LoRASyncClient([vllm.url, crashable.url], api_key=API_KEY, timeout=30)
     with client:
         [a1, a2, a3, b1] = [make_adapter(seed) for seed in (501, 502, 503, 504)]
@@ -66,10 +94,12 @@ def test_dead_server_fails_alone_and_gets_the_newest_back(vllm, crashable, make_
         results = client.push(b1, "fleet-b")
         assert [r.version for r in results] == [1, 1]
         assert versions_on(crashable, "fleet") == [3]
-        served = [greedy(LoRASyncClient(s.url, api_key=API_KEY), "fleet")
-                  for s in (vllm, crashable)]
-        assert served[0] == served[1] == greedy(LoRASyncClient(vllm.url, api_key=API_KEY),
-                                                "fleet-v3")
+        # Both serve v3 under the alias: the healthy vLLM its own v3, the restarted (fake)
+        # server exactly a3's weights (its text is their digest).
+        with LoRASyncClient(vllm.url, api_key=API_KEY) as real, \
+                LoRASyncClient(crashable.url, api_key=API_KEY) as fake:
+            assert greedy(real, "fleet") == greedy(real, "fleet-v3")
+            assert greedy(fake, "fleet") == greedy(fake, "fleet-v3") == served_text(a3)
         assert client.resync() == [{"server": s.url, "pushed": [], "error": None}
                                    for s in (vllm, crashable)]  # nothing left to give back
 

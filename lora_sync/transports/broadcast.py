@@ -46,6 +46,10 @@ DESTROY_ROUTE = "destroy_lora_update_group"
 MAX_WORLD_SIZE = 4096
 MAX_GROUP_TIMEOUT_S = 3600.0
 MAX_TRANSFER_ID = 2 ** 63 - 1
+# A push's reply may come this long after the group's own timeout: the server's work after
+# the transfer (checks, build, register) takes a small fraction of it; a server that has not
+# answered by then (a cut link) fails that push, and the client resyncs it later.
+REPLY_GRACE_S = 20.0
 _CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -435,7 +439,7 @@ class BroadcastTransport(Transport):
             del body["tensors"]  # the server holds this layout for the group: named only
         reply, _ = http.call("POST", server.route(LOAD_ROUTE),
                              headers=with_protocol(ctx.headers), json_body=body,
-                             timeout=out.group.timeout_s + 60, on_sent=out.start)
+                             timeout=out.group.timeout_s + REPLY_GRACE_S, on_sent=out.start)
         return PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
                                      ctx.version)
 
@@ -460,7 +464,7 @@ class BroadcastTransport(Transport):
 
     def send_timeout(self, ctx: SendContext) -> float | None:
         group = ctx.state.group if ctx.state is not None else None
-        return group.timeout_s + 60 if group is not None else None
+        return group.timeout_s + REPLY_GRACE_S if group is not None else None
 
     # server side
     def new_state(self, limits) -> Groups:
