@@ -4,8 +4,8 @@ Both engines serve HTTP with uvicorn (httptools), which hands a body to the app 
 at most 256 KB, copying each piece four times on the way (its read buffer, the bytes it
 makes of it, the parser's slice, the request's bytearray) plus once more into the message,
 with an event-loop round trip per piece. Taking over the socket reads up to 4 MiB per call
-with one copy: a 70 MB body took 37-49 ms through uvicorn and 22-23 ms this way in the same
-process (docs/protocol.md, "Receiving a body").
+with one copy, in about half the time for a large body (docs/benchmarks.md; docs/protocol.md,
+"Receiving a body").
 
 The rule: bypassing uvicorn changes speed, never behaviour. Whatever a client sends, it gets
 the same replies as through uvicorn (LORA_SYNC_SOCKET_BODY=0): the same status, the same
