@@ -17,9 +17,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from lora_sync import LoRASyncClient, LoRASyncError, http
 from lora_sync.server.tenants import Tenancy, load_tenants
@@ -86,8 +86,8 @@ def adapters(make_adapter):
 def client(server, who: str, **kw) -> LoRASyncClient:
     """A fresh client (no memory of versions) for `who` (a tenant, the operator, or a
     key nobody has)."""
-    return LoRASyncClient(server.url, api_key=KEYS.get(who, who), timeout=30,
-                          lease_ahead=False, **kw)
+    return LoRASyncClient(server.url, engine=server.engine, api_key=KEYS.get(who, who),
+                          timeout=30, lease_ahead=False, **kw)
 
 
 def auth(who: str) -> dict:
@@ -95,8 +95,14 @@ def auth(who: str) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def route_url(server, route: str) -> str:
+    """lora-sync's `route` on `server`: under /v1 on vLLM (and the fake), at the root on
+    SGLang."""
+    return f"{server.url}{'/v1' if server.engine == 'vllm' else ''}/{route}"
+
+
 def post(server, route: str, who: str, body: dict):
-    return http.request("POST", f"{server.url}/v1/{route}", headers=auth(who), json_body=body)
+    return http.request("POST", route_url(server, route), headers=auth(who), json_body=body)
 
 
 def complete(server, who: str, model: str, headers=None, **extra):
@@ -118,7 +124,8 @@ def clean(shared):
 
 def clear(server) -> None:
     """Every name retired and drained, every open lease gone (the fixture's server is
-    shared by the tests of this module)."""
+    shared by the tests of this module). On a real server: the names (its leases are the
+    tests' own to cancel)."""
     with client(server, "operator") as op:
         for entry in op.adapters()[0]["adapters"]:
             try:
@@ -126,14 +133,38 @@ def clear(server) -> None:
             except LoRASyncError:
                 pass
         wait_until(lambda: not op.adapters()[0]["adapters"], what="every name drained")
-    server.service.contexts["shm"].state.close()
-    assert not server.bridge.violations, server.bridge.violations
+    if isinstance(server, FakeEngineServer):
+        server.service.contexts["shm"].state.close()
+        assert not server.bridge.violations, server.bridge.violations
 
 
 def error(reply) -> tuple[int, str | None]:
     status, body, _ = reply
     err = body.get("error") if isinstance(body, dict) else None
     return status, err.get("code") if isinstance(err, dict) else None
+
+
+def scrape(server, who: str, path: str = "/metrics") -> tuple[int, str]:
+    """GET the engine's /metrics (or a path its mount also serves) with `who`'s key."""
+    status, raw, _ = http.exchange("GET", f"{server.url}{path}", headers=auth(who))
+    return status, raw.decode(errors="replace")
+
+
+def check_metrics_are_the_operators(server, names: set[str]) -> None:
+    """With tenants, /metrics (every path its mount serves) answers the operator's key alone:
+    a tenant's key 403, no key or another 401, none of them a byte of the text; the operator
+    gets every tenant's `names` among the labels."""
+    for path in ("/metrics", "/metrics/", "/metricsx"):
+        for who, code in (("", 401), ("wrong-key", 401), (f"{KEYS['alice']} ", 401),
+                          ("alice", 403), ("bob", 403), ("carol", 403)):
+            status, text = scrape(server, who, path)
+            assert status == code, (path, who, status, text[:200])
+            assert not any(n in text for n in names), (path, who)
+
+    def operator_sees_them() -> bool:  # (SGLang's multiprocess snapshot lags <= 0.1 s)
+        status, text = scrape(server, "operator")
+        return status == 200 and all(f'name="{n}"' in text for n in names)
+    wait_until(operator_sees_them, timeout_s=10, what=f"the operator's /metrics names {names}")
 
 
 # -- the file --------------------------------------------------------------------------------
@@ -309,6 +340,45 @@ def test_quota_exhaustion_by_one_tenant_leaves_the_others_pushing(shared, adapte
     assert info["open_leases"] == QUOTA_LEASES and info["max_names"] == QUOTA_NAMES
 
 
+def test_concurrent_new_names_never_pass_the_names_quota_together(shared, adapters):
+    """N pushes of N new names by one tenant, all at once (each under its own name's lock):
+    exactly max_names succeed, the rest get 429 quota_names, and the tenant holds exactly
+    max_names names. A push of a name it already holds, at the same moment, succeeds.
+    (Fails if the quota's count and the name's reservation are ever split by an await.)"""
+    n = 8
+
+    def push_all(names: list[str]) -> list:
+        barrier = threading.Barrier(len(names))
+
+        def one(i: int):
+            with client(shared, "alice") as c:
+                barrier.wait()
+                try:
+                    return c.push(adapters[i % len(adapters)], names[i],
+                                  transport="tensors")[0].version
+                except LoRASyncError as e:
+                    return e.status, e.code
+        with ThreadPoolExecutor(len(names)) as pool:
+            return list(pool.map(one, range(len(names))))
+
+    for _ in range(3):  # the threads interleave differently each round
+        out = push_all([f"alice-race{i}" for i in range(n)])
+        assert sum(isinstance(r, int) for r in out) == QUOTA_NAMES, out
+        assert [r for r in out if not isinstance(r, int)] == \
+            [(429, "quota_names")] * (n - QUOTA_NAMES), out
+        assert client(shared, "alice").info()[0]["tenant"]["usage"]["names"] == QUOTA_NAMES
+        assert len(names_seen(shared, "alice")) == QUOTA_NAMES
+        clear(shared)
+    # one name held: its push is never refused by the quota, new names are still counted
+    with client(shared, "alice") as alice:
+        alice.push(adapters[0], "alice-held", transport="tensors")
+    out = push_all(["alice-held"] + [f"alice-new{i}" for i in range(n - 1)])
+    assert out[0] == 2, out
+    assert sum(isinstance(r, int) for r in out[1:]) == QUOTA_NAMES - 1, out
+    assert names_seen(shared, "alice") >= {"alice-held"} and \
+        len(names_seen(shared, "alice")) == QUOTA_NAMES
+
+
 def test_push_rate_quota(tmp_path, make_adapter):
     path = write_tenants(tmp_path, tenants_toml(pushes_per_minute=2))
     with FakeEngineServer(settings=tenant_settings(path)) as server, \
@@ -468,14 +538,15 @@ NAMES = ("alice-a", "alice-b", "alice-c", "bob-a", "carol-a", "shared-eval", "op
 
 class SharedServer(RuleBasedStateMachine):
     """Random operations by three tenants and the operator; the model says what each
-    should see, and every reply and listing is checked against it."""
+    should see, and every reply and listing is checked against it. On the fake engine;
+    RealSharedServer runs the same rules on a real server, over HTTP only."""
     server: FakeEngineServer = None
     adapters: list = []
 
     def __init__(self):
         super().__init__()
         clear(self.server)
-        self.tenancy = self.server.service.tenancy
+        self.tenancy = self.tenancy_of_server()
         self.versions: dict[str, dict[int, int]] = {}  # name -> version -> adapter index
         self.alias: dict[str, int] = {}
         self.pinned: set[str] = set()
@@ -489,6 +560,22 @@ class SharedServer(RuleBasedStateMachine):
 
     def keep(self, name: str) -> int:
         return KEEP if self.owner(name) else int(SERVER_ENV["LORA_SYNC_KEEP_VERSIONS"])
+
+    # -- what the fake engine lets the machine see beyond HTTP (RealSharedServer: HTTP) --
+    def tenancy_of_server(self) -> Tenancy:
+        return self.server.service.tenancy
+
+    def check_text(self, name: str, version: int, text: str) -> None:
+        """The reply's tokens are those of the adapter pushed as `version`."""
+        assert text == served_text(self.adapters[self.versions[name][version]])
+
+    def check_quotas(self) -> None:
+        for tenant in self.tenancy.tenants.values():
+            usage = self.server.service.usage(tenant)
+            assert usage["names"] <= tenant.quotas.names
+            assert usage["leases"] <= tenant.quotas.leases
+            assert usage["staging_bytes"] <= tenant.quotas.staging_bytes
+        assert not self.server.bridge.violations, self.server.bridge.violations
 
     @rule(who=st.sampled_from(WHO), name=st.sampled_from(NAMES),
           transport=st.sampled_from(["tensors", "shm"]), pick=st.integers(0, 5))
@@ -554,7 +641,7 @@ class SharedServer(RuleBasedStateMachine):
     def generate(self, who, name, versioned):
         target = self.alias.get(name)
         model = f"{name}-v{target}" if versioned and target else name
-        status, body, headers = complete(self.server, who, model)
+        status, body, headers = complete(self.server, who, model, temperature=0)
         owner = self.owner(name)
         level = {"alice": "own", "bob": "own", "carol": "all"}.get(who)
         allowed = who == "operator" or (owner is None) or level == "all" or owner == who
@@ -565,7 +652,7 @@ class SharedServer(RuleBasedStateMachine):
             return
         assert status == 200, (who, model, body)
         assert headers["x-lora-version"] == str(target)
-        assert body["choices"][0]["text"] == served_text(self.adapters[self.versions[name][target]])
+        self.check_text(name, target, body["choices"][0]["text"])
 
     @rule(who=st.sampled_from(("alice", "bob", "carol")), other=st.sampled_from(("alice", "bob")))
     def leases_to_the_quota(self, who, other):
@@ -597,7 +684,7 @@ class SharedServer(RuleBasedStateMachine):
     def wrong_key(self, key):
         for route in ("retire_lora_adapter", "lora_sync_alias"):
             assert error(post(self.server, route, key, {"lora_name": "alice-a"}))[0] == 401
-        status, _, _ = http.request("GET", f"{self.server.url}/v1/lora_adapters",
+        status, _, _ = http.request("GET", route_url(self.server, "lora_adapters"),
                                     headers=auth(key))
         assert status == 401
 
@@ -618,12 +705,41 @@ class SharedServer(RuleBasedStateMachine):
 
     @invariant()
     def quotas_hold(self):
-        for tenant in self.tenancy.tenants.values():
-            usage = self.server.service.usage(tenant)
-            assert usage["names"] <= tenant.quotas.names
-            assert usage["leases"] <= tenant.quotas.leases
-            assert usage["staging_bytes"] <= tenant.quotas.staging_bytes
-        assert not self.server.bridge.violations, self.server.bridge.violations
+        self.check_quotas()
+
+
+class RealSharedServer(SharedServer):
+    """The same rules and invariants on a real engine, over HTTP: the tenants from the file
+    the server was started with, quotas from each tenant's own lora_sync_info, and a reply's
+    tokens compared with what the same adapter generated before (greedy, one request at a
+    time: the real tokens are not known ahead)."""
+    texts: dict[int, str] = {}  # adapter index -> its greedy completion on this server
+
+    @initialize()
+    def a_name_each(self):
+        """Each (short) example starts with a name of alice's, bob's and the operator's,
+        each generated on once: its steps then meet live names, replies and quotas."""
+        for who, name, pick in (("alice", "alice-a", 0), ("bob", "bob-a", 1),
+                                ("operator", "op-a", 2)):
+            self.push(who, name, "tensors", pick)
+            self.generate(who, name, False)
+            assert self.versions[name] and pick in self.texts
+
+    def tenancy_of_server(self) -> Tenancy:
+        return Tenancy(tuple(load_tenants_from_text(tenants_toml())), API_KEY)
+
+    def check_text(self, name: str, version: int, text: str) -> None:
+        pick = self.versions[name][version]
+        assert self.texts.setdefault(pick, text) == text, (name, version, pick, self.texts)
+
+    def check_quotas(self) -> None:
+        for who in ("alice", "bob", "carol"):
+            with client(self.server, who) as c:
+                tenant = c.info()[0]["tenant"]
+            for quota in ("names", "leases", "staging_bytes", "groups"):
+                assert tenant["usage"][quota] <= tenant["quotas"][quota], (who, tenant)
+            assert tenant["usage"]["names"] == sum(1 for n in self.versions
+                                                   if self.owner(n) == who), (who, tenant)
 
 
 def test_the_shared_server_fuzz(shared, adapters):
@@ -669,6 +785,7 @@ def test_two_tenants_and_the_operator_share_a_real_server(tenant_server, make_ad
         alice.push(a1, "alice-real", transport="tensors")
         alice.push(a2, "alice-real", transport="shm")
         bob.push(b1, "bob-real", transport="tensors")
+        check_metrics_are_the_operators(s, {"alice-real", "bob-real"})
         v2 = alice.complete(PROMPT, "alice-real", 8)
         assert v2["version"] == 2
         assert bob.complete(PROMPT, "bob-real", 8)["version"] == 1
@@ -689,6 +806,27 @@ def test_two_tenants_and_the_operator_share_a_real_server(tenant_server, make_ad
         assert op.complete(PROMPT, "bob-real", 8)["version"] == 1
         alice.retire("alice-real")
         bob.retire("bob-real")
+    assert s.alive(), s.log_tail()
+
+
+def test_the_shared_server_fuzz_on_a_real_server(tenant_server, adapters):
+    """The invariant fuzz above, shorter, on the real server of each engine kind: the same
+    rules (pushes on tensors and shm, retires, rollbacks and pins, generation with every
+    key, leases to the quota, wrong keys, names just outside a scope) and invariants, over
+    HTTP. TENANT_REAL_FUZZ_EXAMPLES (default 15) x 10 steps, not shrunk (a failure shows
+    its steps as found): a few seconds per engine on the tiny CPU model."""
+    s = tenant_server
+    RealSharedServer.server, RealSharedServer.adapters = s, adapters
+    RealSharedServer.texts = {}
+    runner = RealSharedServer.TestCase
+    runner.settings = settings(max_examples=int(os.environ.get("TENANT_REAL_FUZZ_EXAMPLES", 15)),
+                               stateful_step_count=10, deadline=None, database=None,
+                               phases=(Phase.explicit, Phase.generate),
+                               suppress_health_check=list(HealthCheck))
+    try:
+        runner().runTest()
+    finally:
+        clear(s)
     assert s.alive(), s.log_tail()
 
 
@@ -717,3 +855,16 @@ def test_metrics_per_tenant(shared, adapters):
     tenants = {labels.get("tenant") for m in REGISTRY.collect() if m.name.startswith(
         "lora_sync_tenant") for s in m.samples for labels in [s.labels]}
     assert tenants <= {"alice", "bob", "carol", "operator"}
+
+
+def test_metrics_are_the_operators_alone(shared, adapters, fake_server):
+    """/metrics labels name adapters (and tenants), and needs no key on either engine: with
+    tenants it is the operator's alone (admission: one rule for every label, the engine's
+    own included). Without a tenants file it stays open, as the engine serves it."""
+    from lora_sync.server import metrics
+    assert metrics.install(shared.service)
+    with client(shared, "alice") as alice, client(shared, "bob") as bob:
+        alice.push(adapters[0], "alice-scraped", transport="tensors")
+        bob.push(adapters[1], "bob-scraped", transport="tensors")
+    check_metrics_are_the_operators(shared, {"alice-scraped", "bob-scraped"})
+    assert scrape(fake_server, "")[0] == 200  # no tenants: unchanged

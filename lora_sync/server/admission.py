@@ -34,6 +34,11 @@ BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 # The engines' model listings (OpenAI's GET /v1/models, on both): with tenants, each caller
 # sees only the adapters it may generate on (`_list_models_for`).
 MODEL_LISTS = ("/v1/models",)
+# The engines' Prometheus endpoint (both mount it at /metrics, matching any path that starts
+# so: vLLM's and SGLang's route regex is ^/metrics(.*)$). Its labels name adapters (ours,
+# and the engine's own, e.g. vLLM's vllm:lora_requests_info), so with tenants it is the
+# operator's alone (`service.authorize_metrics`).
+METRICS_PATH = "/metrics"
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,13 @@ class AdmissionMiddleware:
         self.also_set = also_set        # fields to set when `model` names ours (SGLang)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and _route_path(scope).startswith(METRICS_PATH):
+            service = getattr(scope["app"].state, "lora_sync", None)
+            try:
+                if service is not None:
+                    service.authorize_metrics(_header(scope, b"authorization"))
+            except LoRASyncError as e:
+                return await _json_reply(send, e.status, e.to_json())
         if scope["type"] == "http" and scope.get("method") == "GET" \
                 and scope.get("path") in MODEL_LISTS:
             service = getattr(scope["app"].state, "lora_sync", None)
@@ -292,6 +304,12 @@ def _parse(body: bytes, scope):
             return None  # not JSON, and not claimed to be: no engine reads a name from it
         raise BadRequest(f"request body is not valid JSON: {str(e)[:200]}",
                          code="bad_request") from None
+
+
+def _route_path(scope) -> str:
+    """The path the app's routes match (less a --root-path, as Starlette's Mount reads it)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def _header(scope, name: bytes) -> str | None:

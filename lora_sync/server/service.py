@@ -172,6 +172,18 @@ class AdapterService:
             raise Unauthorized("this route is not guarded by the engine's API key; requests "
                                "on lora-sync adapters need it", code="unauthorized")
 
+    def authorize_metrics(self, authorization: str | None) -> None:
+        """The engine's /metrics (admission): with tenants, the operator's alone, on both
+        engines. Its labels name adapters (lora-sync's per name and version, the engine's own
+        such as vLLM's vllm:lora_requests_info), and a tenant sees only its own names: one
+        rule for every label, whoever adds it. 401 without the operator's or a tenant's key,
+        403 with a tenant's. Without tenants: as the engine serves it."""
+        if not self.tenancy.enabled:
+            return
+        if self.authorize(authorization).kind != "operator":
+            raise Forbidden("with tenants, /metrics is the operator's (LORA_SYNC_API_KEY): its "
+                            "labels name every tenant's adapters", code="forbidden")
+
     def authorize_native(self, authorization: str | None, name) -> None:
         """The engine's own adapter routes: guarded like ours, the operator's alone, and
         never on our names."""
@@ -247,19 +259,7 @@ class AdapterService:
         t_in = time.perf_counter()
         owner = self.tenancy.owner_of(name)  # its quotas hold whoever pushes
         async with self._locks.hold(name):
-            live = self.book.names()  # a retired name stops counting at once, drained or not
-            if name not in live and len(live) >= self.settings.max_names:
-                raise TooBusy(f"this server already holds {self.settings.max_names} adapter "
-                              "names (LORA_SYNC_MAX_NAMES); retire one with "
-                              "retire_lora_adapter first", code="too_many_names")
-            if owner is not None and name not in live:
-                held = sum(1 for n in live if owner.covers(n))
-                if held >= owner.quotas.names:
-                    raise TooBusy(f"tenant {owner.name!r} already holds {held} adapter names "
-                                  "(its max_names quota); retire one first",
-                                  code="quota_names")
-            self.check_disjoint(name)
-            version = self.book.reserve(name, staged.version)
+            version = self._reserve(name, staged.version, owner)
             adapter_id = self.bridge.new_adapter_id()
             t1 = time.perf_counter()
             try:
@@ -294,6 +294,26 @@ class AdapterService:
                                "wait": (t1 - t_in) * 1e3, "worker": worker_ms,
                                "handoff": (t2 - t1) * 1e3 - worker_ms,
                                "register": (t3 - t2) * 1e3}}
+
+    def _reserve(self, name: str, requested: int | None, owner) -> int:
+        """The names quotas (the server's, and the owner tenant's) checked and the version
+        reserved in one step. Synchronous on purpose: no await can fall between the count
+        and the reservation, and a reservation is counted by the next push's check
+        (book.names() holds names with a push in flight), so pushes of new names, however
+        many at once and each under its own name's lock, never pass a quota together."""
+        live = self.book.names()  # a retired name stops counting at once, drained or not
+        if name not in live and len(live) >= self.settings.max_names:
+            raise TooBusy(f"this server already holds {self.settings.max_names} adapter "
+                          "names (LORA_SYNC_MAX_NAMES); retire one with "
+                          "retire_lora_adapter first", code="too_many_names")
+        if owner is not None and name not in live:
+            held = sum(1 for n in live if owner.covers(n))
+            if held >= owner.quotas.names:
+                raise TooBusy(f"tenant {owner.name!r} already holds {held} adapter names "
+                              "(its max_names quota); retire one first",
+                              code="quota_names")
+        self.check_disjoint(name)
+        return self.book.reserve(name, requested)
 
     async def _receive_body(self, raw: RawBody) -> StagedBody:
         """Streams an upload into staging; uploads and open shm leases share one budget, and
