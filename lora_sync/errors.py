@@ -32,6 +32,9 @@ class ErrorCode(str, Enum):
     NO_GROUP = "no_group"
     BAD_LEASE = "bad_lease"
     SHM_UNREACHABLE = "shm_unreachable"
+    # transport `shared`: the named file cannot be opened here, or is not the copy claimed
+    SHARED_UNREACHABLE = "shared_unreachable"
+    BAD_SHARED_FILE = "bad_shared_file"  # the claimed copy, but not sealed or not its size
     CLIENT_DISCONNECTED = "client_disconnected"
     TRANSFER_MISMATCH = "transfer_mismatch"  # a broadcast that is not what was declared
     LAYOUT_UNKNOWN = "layout_unknown"  # a broadcast naming a layout its group does not hold
@@ -183,6 +186,7 @@ _CLASS_OF_CODE = {"version_conflict": VersionConflict, "group_exists": Conflict,
                   "client_disconnected": ClientDisconnected,
                   **{code: BadRequest for code in (
                       "bad_request", "bad_version", "bad_name", "bad_lease", "no_group",
+                      "shared_unreachable", "bad_shared_file",
                       "protocol_mismatch",
                       "transfer_mismatch", "layout_unknown", "bad_content_type")}}
 _CLASS_OF_STATUS = {cls.status: cls for cls in (BadAdapter, Unauthorized, Forbidden, NotFound,

@@ -1,7 +1,8 @@
 """The same-host transport (shm) on real vLLM and SGLang CPU servers: token identity with the
 disk load, automatic selection, and the HTTP fallback from another PID namespace. The lease
 rules (seal, tokens, expiry, budgets, abuse) are checked with the fake engine in
-test_service_shm.py."""
+test_service_shm.py. Also: one sealed copy shared by a vLLM and an SGLang server (the
+shared transport; its rules in test_shared_copy.py)."""
 from __future__ import annotations
 
 import json
@@ -86,3 +87,26 @@ def test_auto_falls_back_to_http_where_the_lease_is_out_of_reach(client, server,
     assert open_leases(client) == 0  # the unreachable lease was cancelled, not left behind
     assert greedy(client, "elsewhere") == greedy(client, f"elsewhere-v{version}")
 
+
+def test_one_copy_serves_a_real_vllm_and_a_real_sglang_server_like_disk(vllm, sglang,
+                                                                        make_adapter, workdir):
+    """Real engines: one sealed copy, mapped by a vLLM and an SGLang server on this host,
+    chosen by `auto` for the two, serves on each exactly what the same adapter loaded from
+    disk serves there."""
+    from lora_sync import LoRASyncClient, Server
+    adapter = make_adapter(seed=4601)
+    adapter.save(workdir / "disk-4601")
+    servers = [Server(vllm.url, "vllm"), Server(sglang.url, "sglang")]
+    with LoRASyncClient(servers, api_key=vllm.api_key) as both:
+        both.load_from_disk(str(workdir / "disk-4601"), "disk-4601")
+        try:
+            results = both.push(adapter, "shared4601")  # transport="auto"
+            assert [r.transport for r in results] == ["shared", "shared"], results
+            for i, server in enumerate(both.servers):
+                one = LoRASyncClient(server, api_key=vllm.api_key)
+                with one:
+                    assert greedy(one, "shared4601") == \
+                        greedy(one, disk_model(one, "disk-4601")), server.engine
+        finally:
+            both.retire("shared4601")
+            both.unload_from_disk("disk-4601")

@@ -30,7 +30,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "wire_format.md"
 POST_ROUTES = ["init_lora_update_group", "load_lora_adapter_from_distributed",
                "destroy_lora_update_group", "load_lora_adapter_from_tensors",
                "lora_sync_lease", "load_lora_adapter_from_lease", "lora_sync_lease_cancel",
-               "lora_sync_lease_renew", "retire_lora_adapter"]
+               "lora_sync_lease_renew", "load_lora_adapter_from_shared",
+               "retire_lora_adapter"]
 
 
 def sender(server, **kw) -> ms.MinimalSender:

@@ -70,6 +70,35 @@ class _BodiesOut:
                                    max(0.0, deadline - time.monotonic()))
 
 
+class _PreparedOnce:
+    """What `auto` prepared for one push, per transport: each transport prepares once, in
+    the first server's thread that takes it (the others wait), for every server it takes
+    (a transport that writes the adapter once for all of them writes it once), and is
+    finished once, after every server answered (`Transport.prepare`, `finish`)."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._made: dict[str, tuple[Transport, object]] = {}
+
+    def of(self, transport: Transport, ctx: SendContext):
+        with self._lock:
+            lock = self._locks.setdefault(transport.name, threading.Lock())
+        with lock:
+            if transport.name not in self._made:
+                self._made[transport.name] = (transport, transport.prepare(self.adapter, ctx))
+            return self._made[transport.name][1]
+
+    def finish(self, results: list) -> None:
+        for transport, outgoing in self._made.values():
+            packed = transport.finish(outgoing, results)
+            if packed is not None:
+                for r in results:
+                    if r.ok and r.kept is None and r.transport == transport.name:
+                        r.kept = packed
+
+
 class LoRASyncClient:
     """`servers`: URLs or `Server(url, engine)`s. `api_key`: the servers' admin key
     (LORA_SYNC_API_KEY), sent as `Authorization: Bearer`. `timeout`: seconds any one call
@@ -98,7 +127,8 @@ class LoRASyncClient:
         self.memory = FleetMemory(remember)
         self._name_locks: dict[str, threading.Lock] = {}
         self.client_id = uuid.uuid4().hex  # a label in the servers' logs, never a bound
-        config = ClientConfig(self.headers, self.client_id, self.probe_timeout, lease_ahead)
+        config = ClientConfig(self.headers, self.client_id, self.probe_timeout, lease_ahead,
+                              tuple(self.servers))
         # What each transport keeps between pushes (readied leases, an update group).
         self.states = {name: t.new_client_state(config) for name, t in TRANSPORTS.items()}
 
@@ -215,6 +245,7 @@ class LoRASyncClient:
                           self.memory.spare(name) if keep else None, bodies.sent)
         sender = TRANSPORTS.get(transport)  # None: "auto", chosen per server
         outgoing = sender.prepare(adapter, ctx) if sender else None
+        prepared = _PreparedOnce(adapter) if sender is None else None
         needs = sender.send_timeout(ctx) if sender else None
         if needs is not None:
             deadline = max(deadline, time.monotonic() + needs)
@@ -224,7 +255,7 @@ class LoRASyncClient:
                 if server.url in self.memory.stale:
                     self._resync_one(server)
                 if sender is None:
-                    return self._push_auto(server, adapter, ctx)
+                    return self._push_auto(server, adapter, ctx, prepared)
                 return self._push_with(sender, outgoing, server, ctx)
 
         def once_sent():
@@ -233,8 +264,13 @@ class LoRASyncClient:
             # cores that made the whole push measurably slower).
             bodies.wait(deadline)
             alongside()
-        results = self._each_server(push_one, version, deadline,
-                                    once_sent if alongside is not None else None)
+        results: list[PushResult] = []
+        try:
+            results = self._each_server(push_one, version, deadline,
+                                        once_sent if alongside is not None else None)
+        finally:  # what auto prepared goes once every server answered (or failed)
+            if prepared is not None:
+                prepared.finish(results)
         packed = sender.finish(outgoing, results) if sender is not None else None
         if packed is not None:
             for r in results:
@@ -246,21 +282,22 @@ class LoRASyncClient:
         """What `auto` tries on `server`, in order; the last always reaches it."""
         return [t for t in AUTO[:-1] if t.reaches(server, self.states[t.name])] + AUTO[-1:]
 
-    def _push_auto(self, server: Server, adapter, ctx: SendContext) -> PushResult:
+    def _push_auto(self, server: Server, adapter, ctx: SendContext,
+                   prepared: _PreparedOnce) -> PushResult:
         """Each transport in `auto`'s order that reaches the server, until one takes the
         push: one that finds it cannot (None), or has no room now (Unavailable), passes it
-        on; the last one's answer stands."""
+        on; the last one's answer stands. Each is prepared once per push (`prepared`)."""
         *first, last = self._auto_choices(server)
         for t in first:
             mine = replace(ctx, state=self.states[t.name])
             try:
-                result = t.send(t.prepare(adapter, mine), server, mine)
+                result = t.send(prepared.of(t, mine), server, mine)
             except Unavailable:
                 continue
             if result is not None:
                 return result
         mine = replace(ctx, state=self.states[last.name])
-        return self._push_with(last, last.prepare(adapter, mine), server, mine)
+        return self._push_with(last, prepared.of(last, mine), server, mine)
 
     @staticmethod
     def _push_with(transport: Transport, outgoing, server: Server,
@@ -323,9 +360,14 @@ class LoRASyncClient:
             have = held.get(name, set())
             return version not in have and max(have, default=0) <= version
         for name, newest in self.memory.newest_copies(lost):
-            self._push_auto(server, newest.adapter, SendContext(
-                name, newest.version, False, self.headers, self.timeout, self.client_id,
-                ahead=False))
+            prepared = _PreparedOnce(newest.adapter)
+            result = None
+            try:
+                result = self._push_auto(server, newest.adapter, SendContext(
+                    name, newest.version, False, self.headers, self.timeout, self.client_id,
+                    ahead=False), prepared)
+            finally:
+                prepared.finish([result] if result is not None else [])
             pushed.append(naming.versioned(name, newest.version))
         self.memory.stale.discard(server.url)
         return pushed

@@ -74,6 +74,7 @@ class ClientConfig:
     client_id: str                # a label the client gives itself (never a bound)
     probe_timeout: float          # for small background calls
     lease_ahead: bool = True      # may ready resources for the next push ahead of it
+    servers: tuple = ()           # the client's fleet (Server each), in its order
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,9 @@ class Transport(ABC):
         return False
 
     def prepare(self, adapter, ctx: SendContext):
-        """Once per push, before any server: what `send` sends (default: the adapter)."""
+        """Once per push, before any server: what `send` sends (default: the adapter).
+        Under `auto` too: in the first server's thread this transport takes, the others
+        waiting for it; `finish` then runs once, after every server."""
         return adapter
 
     @abstractmethod
