@@ -22,6 +22,9 @@ the client's unmap thread while the commit travels (the server's seal waits for 
                       and page tables included
   register            what registering (and unregistering) a lease's mapping costs
   pinned              the same packed copies into torch's pinned memory: the bus's floor
+  shared_copy         lora_sync's write of the `shared` transport (shared_copy.write_sealed:
+                      a new memfd, GPU tensors through a mapping, unmapped, all four seals),
+                      checked byte for byte against the same file encoded on the host
 
     python scripts/gpu_check.py [--rank 64] [--reps 20] [--out gpu_check.json]
 """
@@ -41,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lora_sync import pages, wire  # noqa: E402
 from lora_sync.transports import shm  # noqa: E402
 from lora_sync.transports.device_copy import HostPin, copy_to_host  # noqa: E402
+from lora_sync.transports.shared_copy import write_sealed  # noqa: E402
 
 # Qwen2.5-0.5B's linear layers (in, out) and depth: the benchmark's shapes (docs/benchmarks.md).
 LAYERS = 24
@@ -159,6 +163,19 @@ def main() -> None:
         os.close(fd)
         return {"register": (t1 - t0) * 1e3, "unregister": (t2 - t1) * 1e3}
 
+    expected = torch.cat([c.contiguous().reshape(-1).view(torch.uint8).cpu()
+                          if isinstance(c, torch.Tensor) else
+                          torch.frombuffer(bytearray(c), dtype=torch.uint8) for c in parts])
+
+    def shared_rep():
+        box = {}
+        ms = clock(lambda: box.setdefault("file", write_sealed(parts)))
+        shared = box["file"]
+        got = torch.frombuffer(bytearray(os.pread(shared.fd, nbytes, 0)), dtype=torch.uint8)
+        assert torch.equal(got, expected), "the sealed copy differs from the tensors"
+        shared.close()
+        return {"copy": ms}
+
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     arms = {"per_tensor": per_tensor,
             "lora_sync_ready": lambda: ready_rep(pin=False),
@@ -166,6 +183,7 @@ def main() -> None:
             "lora_sync_pinned_4k": lambda: ready_rep(pin=True, huge_pages=False),
             "lora_sync_fresh": fresh_rep,
             "register": register_rep,
+            "shared_copy": shared_rep,
             "pinned": lambda: {"copy": clock(lambda: copy_to_host(pinned, placed))}}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "cpus": os.cpu_count(), "rank": a.rank, "bytes": nbytes, "reps": a.reps,
