@@ -201,6 +201,10 @@ def _needs_real_server(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    extended = os.environ.get("LORA_SYNC_EXTENDED_TESTS") == "1"
     for item in items:
         if _needs_real_server(item):
             item.add_marker(pytest.mark.server)
+        if item.get_closest_marker("extended") and not extended:
+            item.add_marker(pytest.mark.skip(
+                reason="extended real-server test: LORA_SYNC_EXTENDED_TESTS=1 runs it"))

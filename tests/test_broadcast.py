@@ -91,7 +91,7 @@ import sys, time
 from lora_sync import LoRASyncClient, LoRAAdapter, collective
 url, engine, adapter_dir, key = sys.argv[1:5]
 c = LoRASyncClient(url, engine=engine, api_key=key)
-c.init_group(timeout_s=10, bucket_bytes=16 * 1024)
+c.init_group(timeout_s=5, bucket_bytes=16 * 1024)
 real = collective.send_transfer
 def first_bucket_then_stall(group, *args, **kwargs):
     queued, start = [], group.start_broadcast
@@ -111,7 +111,7 @@ c.broadcast(LoRAAdapter.from_dir(adapter_dir), "dying")
 @pytest.mark.parametrize("fault", ["killed", "silent"])
 def test_trainer_dies_or_stalls_mid_broadcast(client, server, make_adapter, workdir, fault):
     """'killed': the trainer process dies after the first bucket. 'silent': it stays alive
-    but sends nothing more, so the workers' group times out (10 s)."""
+    but sends nothing more, so the workers' group times out (5 s)."""
     client.push(make_adapter(seed=91), "survivor", transport="tensors")
     before = greedy(client, "survivor")
     make_adapter(seed=92).save(workdir / "dying")
@@ -123,7 +123,7 @@ def test_trainer_dies_or_stalls_mid_broadcast(client, server, make_adapter, work
         # Mid-transfer, the engine keeps generating: the receive runs beside the engine loop.
         assert greedy(client, "survivor") == before
         if fault == "silent":
-            wait_until_group_dropped(client)  # the group times out after 10 s
+            wait_until_group_dropped(client)  # the group times out after 5 s
             assert trainer.poll() is None, "the stalled trainer should still be alive"
     finally:
         trainer.send_signal(signal.SIGKILL)
@@ -151,6 +151,7 @@ def vllm_tp2(model_dir):
         yield server
 
 
+@pytest.mark.extended  # CI time: a second vLLM topology (workers of one server, TP 2)
 def test_tensor_parallel_2_broadcast_and_tensors_match_disk(vllm_tp2, make_adapter, workdir):
     adapter = make_adapter(seed=101)
     adapter.save(workdir / "disk-101")

@@ -19,7 +19,8 @@ from .helpers import body_of, post_body
 REPLICAS = 2
 
 
-@pytest.fixture(scope="module", params=["vllm", "sglang"])
+# SGLang data parallel is extended (CI time): vLLM proves the same replica rule at every push.
+@pytest.fixture(scope="module", params=["vllm", pytest.param("sglang", marks=pytest.mark.extended)])
 def dp_server(request, model_dir):
     if request.param == "vllm":
         server = _vllm(model_dir, extra_args=["--data-parallel-size", str(REPLICAS)],

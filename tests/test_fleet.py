@@ -120,6 +120,7 @@ def test_dead_server_fails_alone_and_gets_the_newest_back(vllm, crashable_fake, 
         assert [r.version for r in fresh.push(make_adapter(505), "fleet")] == [4, 4]
 
 
+@pytest.mark.extended  # CI time: the dead-server test above covers the client's resync
 def test_rl_loop_survives_a_server_killed_mid_run(crashable, model_dir, workdir):
     """SIGKILL after step 3's push; the server comes back on its own while the loop waits.
     The next step's rollouts come from the version the trainer last pushed."""

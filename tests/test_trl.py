@@ -541,7 +541,8 @@ KILL_STEP, KILL_AGAIN_STEP = 2, 5
 
 # Two kills and one server start: about 2 minutes; a trainer that hangs on the dead server
 # (the bug: TRL's worker retries for about 8 minutes) runs into the timeout.
-@pytest.mark.timeout(420)
+@pytest.mark.extended  # CI time: test_a_killed_server_is_ridden_out_then_stops_training
+@pytest.mark.timeout(420)  # checks the same hooks in process
 def test_async_grpo_rides_out_a_killed_server_then_stops_on_one_that_stays_down(model_dir,
                                                                                  tmp_path):
     """A vLLM server SIGKILLed mid-training and started again: the trainer resyncs it (it
