@@ -64,18 +64,27 @@ SERVER_ENV = {"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
               "LORA_SYNC_LEASE_TTL_S": "3"}
 
 
+def real_server(engine: str, model_dir, env: dict):
+    """A real server (not started) of `engine` with lora-sync settings `env`, guarded by the
+    session's admin key; skips (fails in CI) where that engine is not installed."""
+    if engine == "vllm":
+        server = _vllm(model_dir, env=env)
+    else:
+        if not SGLANG_PYTHON.exists():
+            if os.environ.get("CI"):
+                pytest.fail("no .venv-sglang in CI: scripts/install.sh did not install SGLang")
+            pytest.skip("no .venv-sglang: run scripts/install.sh")
+        from testbed.processes import sglang_server
+        server = sglang_server(model_dir, python=str(SGLANG_PYTHON),
+                               env={**env, "PYTHONPATH": SGLANG_TEST_PATH})
+    server.api_key = API_KEY
+    return server
+
+
 @pytest.fixture(scope="session")
 def sglang(model_dir):
     """The shared SGLang CPU server, with the same lora-sync settings as `vllm`."""
-    if not SGLANG_PYTHON.exists():
-        if os.environ.get("CI"):
-            pytest.fail("no .venv-sglang in CI: scripts/install.sh did not install SGLang")
-        pytest.skip("no .venv-sglang: run scripts/install.sh")
-    from testbed.processes import sglang_server
-    server = sglang_server(model_dir, python=str(SGLANG_PYTHON),
-                           env={**SERVER_ENV, "PYTHONPATH": SGLANG_TEST_PATH})
-    server.api_key = API_KEY
-    with server:
+    with real_server("sglang", model_dir, SERVER_ENV) as server:
         yield server
 
 
@@ -161,7 +170,7 @@ REAL_SERVER_MODULES = {"test_benchmark", "test_cli", "test_data_parallel", "test
 # fake_engine_process (tests/fake_server_main.py): lora-sync on the fake engine, but in a
 # process of its own, which `-m "not server"` (in-process tests only) leaves out too.
 SERVER_CALLS = re.compile(
-    r"(?<!\w)(vllm_server|sglang_server|_vllm|torchrun|HostNet|fake_engine_process)\(")
+    r"(?<!\w)(vllm_server|sglang_server|_vllm|real_server|torchrun|HostNet|fake_engine_process)\(")
 
 
 @functools.lru_cache(maxsize=None)

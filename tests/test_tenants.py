@@ -756,21 +756,10 @@ def test_the_shared_server_fuzz(shared, adapters):
 def tenant_server(request, model_dir, tmp_path_factory):
     """A real server of its own with a tenants file (the session's shared servers have
     none), stopped at the end of this module's tests on it."""
-    from .conftest import SGLANG_PYTHON, SGLANG_TEST_PATH
+    from .conftest import real_server
     path = write_tenants(tmp_path_factory.mktemp("real-tenants"), tenants_toml())
-    env = {**SERVER_ENV, "LORA_SYNC_TENANTS": path}
-    if request.param == "vllm":
-        pytest.importorskip("vllm")
-        from testbed.processes import vllm_server
-        server = vllm_server(model_dir, env=env)
-    else:
-        if not SGLANG_PYTHON.exists():
-            pytest.skip("no .venv-sglang: run scripts/install.sh")
-        from testbed.processes import sglang_server
-        server = sglang_server(model_dir, python=str(SGLANG_PYTHON),
-                               env={**env, "PYTHONPATH": SGLANG_TEST_PATH})
-    server.api_key = API_KEY
-    with server:
+    with real_server(request.param, model_dir, {**SERVER_ENV, "LORA_SYNC_TENANTS": path}) \
+            as server:
         yield server
 
 

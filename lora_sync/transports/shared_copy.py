@@ -35,7 +35,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from .. import http, pages, wire
 from ..errors import BadRequest, error_from_json
@@ -47,7 +46,7 @@ from .device_copy import on_device
 from .shm.lease_table import SealedBody
 from .shm.memfd import read_header
 from .shm.trainer import _pwrite_all, total_bytes, write_mapped
-from .shm.worker import map_read_only, map_sealed, read_sealed
+from .shm.worker import map_read_only, receive_sealed
 
 SHARED_ROUTE = "load_lora_adapter_from_shared"
 # The memfd's name: this prefix, then sha256 of the claim in hex (`memfd_name`). Linux shows
@@ -290,18 +289,8 @@ class SharedCopyTransport(Transport):
 
     # worker side
     def receive(self, intake, pool) -> Received:
-        """As shm's: the sealed file mapped read-only where the engine never writes what it
-        is given, else read into a reused buffer."""
-        path = intake.args["path"]
-        if pool.maps_read_only:
-            sealed = map_sealed(path)
-            if sealed is not None:
-                header, tensors = sealed
-                return Received(tensors, header.total_bytes - header.data_start,
-                                read_only=True)
-        else:
-            sealed = read_sealed(path, lambda n: pool.take_buffer(torch.uint8, n, "cpu"))
-            if sealed is not None:
-                header, tensors, buf = sealed
-                return Received(tensors, header.total_bytes - header.data_start, [buf])
-        raise BadRequest("the shared copy is not sealed", code="bad_shared_file")
+        """As shm's: the sealed file, mapped or read (`receive_sealed`)."""
+        received = receive_sealed(intake.args["path"], pool)
+        if received is None:
+            raise BadRequest("the shared copy is not sealed", code="bad_shared_file")
+        return received

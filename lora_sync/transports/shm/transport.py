@@ -5,7 +5,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from ... import wire
 from ...errors import BadRequest, NotFound, TooBusy
@@ -18,7 +17,7 @@ from .messages import (CANCEL_ROUTE, COMMIT_ROUTE, LEASE_ROUTE, RENEW_ROUTE, Com
                        LeaseRequest)
 from .ready_lease import ReadyLeases
 from .trainer import LeaseRefused, _CopyOnSent, _post, total_bytes, write_lease
-from .worker import map_read_only, map_sealed, read_sealed
+from .worker import map_read_only, receive_sealed
 
 
 @dataclass
@@ -183,18 +182,8 @@ class ShmTransport(Transport):
 
     # worker side
     def receive(self, intake, pool) -> Received:
-        """A sealed body is mapped read-only where the engine never writes what it is given
-        (`pool.maps_read_only`), else read into a reused buffer (see `read_sealed`)."""
-        path = intake.args["path"]
-        if pool.maps_read_only:
-            sealed = map_sealed(path)
-            if sealed is not None:
-                header, tensors = sealed
-                return Received(tensors, header.total_bytes - header.data_start,
-                                read_only=True)
-        else:
-            sealed = read_sealed(path, lambda n: pool.take_buffer(torch.uint8, n, "cpu"))
-            if sealed is not None:
-                header, tensors, buf = sealed
-                return Received(tensors, header.total_bytes - header.data_start, [buf])
-        raise BadRequest("the committed lease is not sealed", code="bad_lease")
+        """The sealed lease, mapped or read (`receive_sealed`)."""
+        received = receive_sealed(intake.args["path"], pool)
+        if received is None:
+            raise BadRequest("the committed lease is not sealed", code="bad_lease")
+        return received

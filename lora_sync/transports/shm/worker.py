@@ -7,6 +7,7 @@ import torch
 
 from ... import pages, wire
 from ...errors import BadAdapter
+from ..base import Received
 from .memfd import is_sealed, read_header
 
 
@@ -55,3 +56,20 @@ def map_read_only(fd: int) -> memoryview | None:
     if not is_sealed(fd):
         return None
     return pages.map_read_only(fd, os.fstat(fd).st_size)
+
+
+def receive_sealed(path: str, pool) -> Received | None:
+    """A sealed file (a committed lease, a shared copy) as a worker takes it in: mapped
+    read-only where the engine never writes what it is given (`pool.maps_read_only`), else
+    read into a reused buffer (`read_sealed`). None when `path` is not sealed."""
+    if pool.maps_read_only:
+        sealed = map_sealed(path)
+        if sealed is not None:
+            header, tensors = sealed
+            return Received(tensors, header.total_bytes - header.data_start, read_only=True)
+        return None
+    sealed = read_sealed(path, lambda n: pool.take_buffer(torch.uint8, n, "cpu"))
+    if sealed is None:
+        return None
+    header, tensors, buf = sealed
+    return Received(tensors, header.total_bytes - header.data_start, [buf])
