@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lora_sync import http
 from lora_sync.server import service as service_module
-from lora_sync.server.routes import RETIRE_ROUTE, TRANSPORT_ROUTES
+from lora_sync.server.routes import ALIAS_ROUTE, RETIRE_ROUTE, TRANSPORT_ROUTES
 from lora_sync.transports import shm
 
 from .helpers import AUTH, PROMPT
@@ -22,7 +22,7 @@ from .helpers import AUTH, PROMPT
 # Every route that reads a JSON object: each of ours (but the streamed pushes), the engine's
 # own adapter routes and a generation route (admission reads those bodies).
 OUR_JSON_ROUTES = sorted(p for p, (_, r) in TRANSPORT_ROUTES.items() if not r.stream) \
-    + [RETIRE_ROUTE]
+    + [RETIRE_ROUTE, ALIAS_ROUTE]
 ENGINE_JSON_ROUTES = ["/load_lora_adapter", "/unload_lora_adapter", "/completions"]
 # A plausible body per route: the duplicate is put into a body that is otherwise fine.
 BODY_KEYS = ["lora_name", "nbytes", "lease_id", "token", "model", "prompt", "client",
@@ -93,7 +93,7 @@ def random_requests(server, rng: random.Random, n: int) -> None:
     url = f"{server.url}/v1"
     for _ in range(n):
         name = "".join(rng.choice("abcxyz-_0123") for _ in range(rng.randint(1, 12)))
-        kind = rng.randrange(7)
+        kind = rng.randrange(9)
         if kind == 0:
             http.request("POST", f"{url}{RETIRE_ROUTE}", headers=AUTH,
                          json_body={"lora_name": name})
@@ -119,9 +119,17 @@ def random_requests(server, rng: random.Random, n: int) -> None:
         elif kind == 5:
             http.request("POST", f"{url}/load_lora_adapter", headers=AUTH,
                          json_body={"lora_name": name, "lora_path": f"/nonexistent/{name}"})
-        else:
+        elif kind == 6:
             http.request("POST", f"{url}/{shm.RENEW_ROUTE}", headers=AUTH,
                          json_body={"lease_id": name, "token": name})
+        elif kind == 7:
+            http.request("POST", f"{url}{ALIAS_ROUTE}", headers=AUTH,
+                         json_body={"lora_name": name, "version": rng.choice([None, 1, 7]),
+                                    "pin": rng.random() < 0.5})
+        else:
+            http.request("POST", f"{url}/load_lora_adapter_from_shared", headers=AUTH,
+                         json_body={"path": f"/proc/{rng.randint(1, 99999)}/fd/3",
+                                    "nbytes": 4096, "claim": "%064x" % rng.getrandbits(256)})
 
 
 def test_no_request_leaves_state_behind(server):
@@ -149,3 +157,37 @@ def wait_leases_gone(server, timeout_s: float = 15.0) -> None:
     while server.service.contexts["shm"].state.pending:
         assert time.monotonic() < deadline, "leases outlived their TTL"
         time.sleep(0.1)
+
+
+# Fields of the routes this change added, with values of the wrong type or range.
+BAD_FIELDS = [
+    (ALIAS_ROUTE, {"lora_name": 5, "version": 1}),
+    (ALIAS_ROUTE, {"lora_name": "x", "version": "abc"}),
+    (ALIAS_ROUTE, {"lora_name": "x", "version": 2 ** 64}),
+    (ALIAS_ROUTE, {"lora_name": "x", "version": -1}),
+    (ALIAS_ROUTE, {"lora_name": "x", "version": 1, "pin": "yes"}),
+    (ALIAS_ROUTE, {"lora_name": "x" * 10_000, "version": 1}),
+    ("/load_lora_adapter_from_shared", {"path": 5, "nbytes": 4096, "claim": "a" * 64}),
+    ("/load_lora_adapter_from_shared", {"path": "/proc/1/fd/3", "nbytes": "big",
+                                        "claim": "a" * 64}),
+    ("/load_lora_adapter_from_shared", {"path": "/proc/1/fd/3", "nbytes": 2 ** 70,
+                                        "claim": "a" * 64}),
+    ("/load_lora_adapter_from_shared", {"path": "/etc/shadow", "nbytes": 4096,
+                                        "claim": "a" * 64}),
+    ("/load_lora_adapter_from_shared", {"path": "/proc/1/fd/3", "nbytes": 4096,
+                                        "claim": ["x"]}),
+]
+
+
+@pytest.mark.parametrize("route, body", BAD_FIELDS)
+def test_the_added_routes_check_every_field(server, route, body):
+    """Wrong types, huge values, paths outside /proc: a 4xx naming the problem, never a
+    5xx; without the key, 401; nothing changes."""
+    before = server.service.list_adapters()
+    status, reply, _ = http.request("POST", f"{server.url}/v1{route}", headers=AUTH,
+                                    json_body=body)
+    assert 400 <= status < 500, (route, body, status, reply)
+    assert reply["error"]["message"]
+    status, _, _ = http.request("POST", f"{server.url}/v1{route}", json_body=body)
+    assert status == 401
+    assert server.service.list_adapters() == before
