@@ -547,7 +547,11 @@ forms = st.builds(
     size=st.sampled_from([0, 1, 1000, 200_000]),
     delivery=st.sampled_from(["whole", "slow", "stall", "half-close", "silent", "close-after",
                               "close-late"]),
-    then=st.sampled_from([None, "pipelined", "junk"]))
+    then=st.sampled_from([None, "pipelined", "junk"])).filter(
+    # Bytes after a request that closes the connection race uvicorn's own close (under
+    # asyncio its reply was sometimes lost, on a body it read itself): no behaviour to match.
+    lambda f: f.then is None or not (f.connection == "close" or
+                                     (f.version == "1.0" and f.connection != "keep-alive")))
 
 
 @settings(max_examples=10, deadline=None, database=None,
