@@ -411,7 +411,9 @@ def summarize(samples: list[dict]) -> list[dict]:
         every = [s for s in samples if (s["engine"], s["transport"], s["rank"]) == key]
         group = [s for s in every if not s.get("cold")]
         totals = [s["phases"]["total"] for s in group]
-        phases = {p: _median([s["phases"][p] for s in group]) for p in group[0]["phases"]}
+        # A phase one push skipped (shm's copy when its lease was written ahead) counts 0.
+        names = dict.fromkeys(p for s in group for p in s["phases"])
+        phases = {p: _median([s["phases"].get(p, 0.0) for s in group]) for p in names}
         med[key] = phases
         rows.append({"engine": key[0], "transport": key[1], "rank": key[2],
                      "mb": group[0]["bytes"] / 1e6, "median_s": _median(totals),

@@ -734,6 +734,18 @@ def test_benchmark_ratios_are_taken_per_round_against_that_rounds_disk_sync():
     assert shm["first_vs_disk_s"]["slower"] == 2 and not shm["first_vs_disk_s"]["met"]
 
 
+def test_a_phase_some_pushes_skip_counts_zero_in_their_median():
+    """shm's `copy` runs only when the lease was not written ahead: a round without it
+    must not break the summary (a CI run once saw a KeyError there)."""
+    from benchmarks.sync_bench import summarize
+    samples = [{"engine": "vllm", "transport": "shm", "rank": 8, "bytes": 1000, "rep": rep,
+                "phases": phases, "first_completion_s": None}
+               for rep, phases in enumerate([{"total": 1.0}, {"total": 2.0, "copy": 0.5},
+                                             {"total": 3.0, "copy": 0.75}])]
+    [row] = summarize(samples)
+    assert row["phases_s"] == {"total": 2.0, "copy": 0.5}
+
+
 @pytest.mark.parametrize("stall", ["pause", "too_slow"])
 def test_a_stalled_body_times_out_and_a_steady_one_passes(stall):
     """staging._paced: one timeout moved on at each chunk bounds both a pause (idle_s) and
