@@ -47,27 +47,38 @@ QWEN_05B_SHAPES = dict(
     tie_word_embeddings=True)
 
 
+# A tiny Qwen3-MoE: 8 routed experts, top-2, on every layer (the MoE rows of the coverage
+# matrix, docs/coverage.md).
+TINY_MOE_CONFIG = dict(
+    TINY_CONFIG, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+
+
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, dtype: str = "float32",
-                     **overrides) -> Path:
-    """Writes a Llama model (tiny unless `overrides` say otherwise) + tokenizer to `out_dir`
-    (once) and returns the path."""
+                     arch: str = "llama", **overrides) -> Path:
+    """Writes a model (`arch`: "llama", or "qwen3_moe" for the MoE one; tiny unless
+    `overrides` say otherwise) + tokenizer to `out_dir` (once) and returns the path."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    cfg = dict(TINY_CONFIG, **overrides)
+    config_cls, model_cls, base = {
+        "llama": (LlamaConfig, LlamaForCausalLM, TINY_CONFIG),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, TINY_MOE_CONFIG)}[arch]
+    cfg = dict(base, **overrides)
     tok = _build_tokenizer(out, min(cfg["vocab_size"], TINY_CONFIG["vocab_size"]))
     torch.manual_seed(seed)
-    config = LlamaConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         torch_dtype=dtype, **cfg)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    config = config_cls(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        torch_dtype=dtype, **cfg)
+    model = model_cls(config).to(getattr(torch, dtype))
     # Larger-than-default init so greedy output is varied rather than one repeated token.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # linear weights and (MoE) 3-D expert stacks
                 p.normal_(0.0, 0.08)
     model.save_pretrained(out, safe_serialization=True)
     return out
