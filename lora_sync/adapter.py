@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import wire
+from . import moe, wire
 from .errors import BadAdapter
 from .fields import loads
 
@@ -22,23 +22,39 @@ META_NAME, META_CONFIG, META_VERSION, META_CHECKSUM = (
     "lora_name", "adapter_config", "version", "checksum")
 
 MAX_TARGETS = 1024
-_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])"
-                       r"(?:\.default)?\.weight$")
+# PEFT's names: '<module>.lora_A.weight' on a linear layer, '<module>.lora_embedding_A' (a
+# parameter, no '.weight') on an embedding.
+_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<embedding>embedding_)?"
+                       r"(?P<half>[AB])(?:\.default)?(?(embedding)|\.weight)$")
+# The vocabulary layers: the input embedding and the LM head.
+VOCAB_LAYERS = ("embed_tokens", "lm_head")
 
 
 def parse_peft_key(key: str) -> tuple[str, str]:
-    """'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight' -> ('model.layers.0.mlp.up_proj', 'A')."""
-    if "lora_embedding" in key or "modules_to_save" in key or "lora_magnitude" in key:
-        what = ("embedding LoRA" if "lora_embedding" in key else
-                "modules_to_save" if "modules_to_save" in key else "DoRA magnitude")
+    """'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight' -> ('model.layers.0.mlp.up_proj', 'A');
+    'base_model.model.model.embed_tokens.lora_embedding_B' -> ('model.embed_tokens', 'B')."""
+    return _parse_key(key)[:2]
+
+
+def _parse_key(key: str) -> tuple[str, str, bool]:
+    """(module, half, whether the key has PEFT's embedding form)."""
+    if "modules_to_save" in key or "lora_magnitude" in key:
+        what = "modules_to_save" if "modules_to_save" in key else "DoRA magnitude"
         raise BadAdapter(f"tensor {key!r}: {what} weights are not supported; only "
-                         "lora_A/lora_B of linear layers can be synced", code="unsupported_module")
+                         "lora_A/lora_B pairs can be synced", code="unsupported_module")
     m = _PEFT_KEY.match(key)
     if not m:
+        if key.endswith(".base_layer.weight"):
+            # PEFT's save_embedding_layers: a full copy of a vocabulary layer's base weight.
+            raise BadAdapter(f"tensor {key!r} is a base layer's weight, not a LoRA weight "
+                             "(PEFT saves it with save_embedding_layers=True); send the "
+                             "adapter without it (save_embedding_layers=False)",
+                             code="unknown_tensor")
         raise BadAdapter(f"tensor {key!r} is not a PEFT LoRA weight name "
-                         "(expected '<module>.lora_A.weight' or '<module>.lora_B.weight')",
+                         "(expected '<module>.lora_A.weight' or '<module>.lora_B.weight', or "
+                         "'<module>.lora_embedding_A' / '_B' on an embedding)",
                          code="unknown_tensor")
-    return m["module"], m["half"]
+    return m["module"], m["half"], bool(m["embedding"])
 
 
 # Projections engines fuse into one layer, in the order they stack their LoRA weights
@@ -92,9 +108,15 @@ class LoRAAdapter:
     @classmethod
     def from_peft_model(cls, model, adapter_name: str = "default") -> "LoRAAdapter":
         from peft import get_peft_model_state_dict
-        state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+        # LoRA weights only: not the vocabulary layers' base weights PEFT adds by default
+        # when it adapts them (save_embedding_layers), which no engine reads.
+        state = get_peft_model_state_dict(model, adapter_name=adapter_name,
+                                          save_embedding_layers=False)
         config = model.peft_config[adapter_name].to_dict()
-        return cls({k: v.detach() for k, v in state.items()}, config)
+        # LoRA on fused experts (target_parameters) travels in the engines' per-expert form.
+        tensors, config = moe.per_expert({k: v.detach() for k, v in state.items()}, config,
+                                         moe.peft_parameter_wrappers(model, adapter_name))
+        return cls(tensors, config)
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "LoRAAdapter":
@@ -218,17 +240,19 @@ class Coverage:
     fills it from that engine's code; check_adapter applies it on the server, and the
     trainer applies the same one (it travels in lora_sync_info) before a broadcast. The
     default constrains nothing: what an old server's info, or a fake engine, gives.
-    `config_features`: the CONFIG_FEATURES the engine reads (and serves as PEFT does)."""
+    `config_features`: the CONFIG_FEATURES the engine reads (and serves as PEFT does).
+    `vocab`: the VOCAB_LAYERS it serves LoRA on."""
     engine: str = "the engine"
     fused: tuple[FusedLayer, ...] = ()
     dtypes: frozenset[str] = frozenset(wire.DTYPES)  # safetensors tags
     config_features: frozenset[str] = frozenset(CONFIG_FEATURES)
+    vocab: frozenset[str] = frozenset(VOCAB_LAYERS)
 
     def to_json(self) -> dict:
         return {"engine": self.engine, "dtypes": sorted(self.dtypes),
                 "fused": [{"name": f.name, "parts": list(f.parts), "needs": sorted(f.needs)}
                           for f in self.fused],
-                "config_features": sorted(self.config_features)}
+                "config_features": sorted(self.config_features), "vocab": sorted(self.vocab)}
 
     @classmethod
     def from_json(cls, body: dict) -> "Coverage":
@@ -253,34 +277,60 @@ class Coverage:
         # A server from before config_features refuses every one of them itself (check_config).
         features = frozenset(names(body.get("config_features", list(CONFIG_FEATURES)),
                                    "config_features")) & frozenset(CONFIG_FEATURES)
-        return cls(str(body.get("engine", cls.engine))[:64], tuple(fused), dtypes, features)
+        # A server from before vocab refuses LoRA on the vocabulary layers itself.
+        vocab = frozenset(names(body.get("vocab", []), "vocab")) & frozenset(VOCAB_LAYERS)
+        return cls(str(body.get("engine", cls.engine))[:64], tuple(fused), dtypes, features,
+                   vocab)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """What a base model can take: (in_features, out_features) of each LoRA-able linear
     layer, keyed by its Hugging Face module name (the names PEFT keys use), the max rank,
-    and what the serving engine covers."""
+    and what the serving engine covers. `vocab`: the vocabulary layers, (fan in, fan out)
+    as a LoRA on them sees it (an embedding: (num_embeddings, embedding_dim)); `embeddings`:
+    which of them are nn.Embedding (PEFT names their tensors lora_embedding_A / _B);
+    `tied`: the LM head shares the input embedding's weight; `experts`: the routed experts
+    of each MoE layer, (experts, hidden, intermediate), LoRA-able per expert (lora_sync.moe)."""
     linear: dict[str, tuple[int, int]]
     max_rank: int
     coverage: Coverage = Coverage()
+    vocab: dict[str, tuple[int, int]] = field(default_factory=dict)
+    embeddings: frozenset[str] = frozenset()
+    tied: bool = False
+    experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @classmethod
     def from_hf_config(cls, hf_config, max_rank: int,
-                       exclude: tuple[str, ...] = ("lm_head",),
                        coverage: Coverage = Coverage()) -> "ModelSpec":
         """Builds the model on the meta device (no memory, no weights) to read its layers."""
         from transformers import AutoModelForCausalLM
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
-        linear = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
-                  if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in exclude}
-        return cls(linear, max_rank, coverage)
+        linear, vocab, embeddings = {}, {}, set()
+        experts = moe.expert_layers(model)
+        # An MoE layer's router: no engine's LoRA path was checked against PEFT's on it.
+        routers = {f"{name.rpartition('.')[0]}.gate" for name in experts}
+        for name, m in model.named_modules():
+            is_vocab = name.rsplit(".", 1)[-1] in VOCAB_LAYERS
+            if name in routers:
+                continue
+            if isinstance(m, torch.nn.Linear):
+                (vocab if is_vocab else linear)[name] = (m.in_features, m.out_features)
+            elif isinstance(m, torch.nn.Embedding) and is_vocab:
+                vocab[name] = (m.num_embeddings, m.embedding_dim)
+                embeddings.add(name)
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        tied = bool(getattr(text, "tie_word_embeddings", False))
+        return cls(linear, max_rank, coverage, vocab, frozenset(embeddings), tied, experts)
 
     def info(self) -> dict:
         """The lora_sync_info fields a trainer rebuilds this spec from (`from_info`)."""
         return {"max_lora_rank": self.max_rank,
                 "linear_modules": {k: list(v) for k, v in self.linear.items()},
+                "vocab_modules": {k: list(v) for k, v in self.vocab.items()},
+                "embedding_modules": sorted(self.embeddings), "tied_embeddings": self.tied,
+                "expert_modules": {k: list(v) for k, v in self.experts.items()},
                 "coverage": self.coverage.to_json()}
 
     @classmethod
@@ -288,15 +338,26 @@ class ModelSpec:
         coverage = info.get("coverage")
         return cls({k: tuple(v) for k, v in info["linear_modules"].items()},
                    int(info["max_lora_rank"]),
-                   Coverage() if coverage is None else Coverage.from_json(coverage))
+                   Coverage() if coverage is None else Coverage.from_json(coverage),
+                   {k: tuple(v) for k, v in info.get("vocab_modules", {}).items()},
+                   frozenset(info.get("embedding_modules", [])),
+                   bool(info.get("tied_embeddings", False)),
+                   {k: tuple(v) for k, v in info.get("expert_modules", {}).items()})
+
+    def layer(self, module: str) -> tuple[int, int] | None:
+        """(fan in, fan out) of a LoRA-able module, None when the model has none by that name."""
+        return (self.linear.get(module) or self.vocab.get(module)
+                or moe.expert_layer(self.experts, module))
 
     def has_target(self, target: str) -> bool:
         """PEFT matches a target_modules entry against module-name suffixes."""
-        return any(n == target or n.endswith("." + target) for n in self.linear)
+        return target in self.module_bases or any(
+            n == target or n.endswith("." + target) for n in (*self.linear, *self.vocab))
 
     @property
     def module_bases(self) -> set[str]:
-        return {n.rsplit(".", 1)[-1] for n in self.linear}
+        return ({n.rsplit(".", 1)[-1] for n in (*self.linear, *self.vocab)}
+                | (set(moe.PROJECTIONS) if self.experts else set()))
 
 
 def check_coverage(modules, coverage: Coverage) -> None:
@@ -329,7 +390,12 @@ UNSUPPORTED_FEATURES = {
     "use_dora": "DoRA", "modules_to_save": "modules_to_save", "lora_bias": "LoRA bias",
     "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)", "layer_replication": "layer_replication",
     "alora_invocation_tokens": "Activated LoRA", "use_bdlora": "block-diagonal LoRA",
-    "use_qalora": "QALoRA", "megatron_config": "Megatron layers"}
+    "use_qalora": "QALoRA", "megatron_config": "Megatron layers",
+    "trainable_token_indices": "trainable tokens",
+    # lora_sync.LoRAAdapter.from_peft_model converts it to the per-expert form (lora_sync.moe)
+    "target_parameters": "target_parameters (LoRA on fused expert parameters: send it "
+                         "per expert, as LoRAAdapter.from_peft_model does)",
+    "ensure_weight_tying": "tied embeddings (ensure_weight_tying)"}
 # Larger is not a LoRA anyone trained: it overflows float16/bfloat16 activations of every
 # request batched with it (observed: 1e38 turned other tenants' outputs to garbage).
 MAX_LORA_ALPHA = 65536.0
@@ -518,6 +584,19 @@ def _finite_everywhere(value, where: str, depth: int = 0) -> None:
         _finite_everywhere(v, f"{where}.{k}"[:200], depth + 1)
 
 
+def _check_vocab_layer(key: str, module: str, model: ModelSpec) -> None:
+    leaf = module.rsplit(".", 1)[-1]
+    if leaf not in model.coverage.vocab:
+        raise BadAdapter(f"tensor {key!r}: {model.coverage.engine} serves no LoRA on {leaf}",
+                         code="unsupported_module")
+    if model.tied:
+        # PEFT adapts the tied weight through one module only; the engines' tied layers
+        # were not checked against it: refused rather than guessed.
+        raise BadAdapter(f"tensor {key!r}: the base model ties its embeddings "
+                         "(tie_word_embeddings), and LoRA on tied embeddings is not served",
+                         code="unsupported_module")
+
+
 def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) -> dict:
     """Checks that `model` can serve an adapter with these tensors and config, from the header
     alone (before any tensor data is read). Returns the normalized config."""
@@ -525,12 +604,6 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
         raise BadAdapter("the adapter has no tensors", code="empty_adapter")
     cfg = normalize_config(config, [s.name for s in specs])
     r = check_config(cfg, model.max_rank)
-    special = sorted(t for t in cfg["target_modules"]
-                     if t.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens"))
-    if special:
-        raise BadAdapter(f"adapter_config target_modules {special[:4]}: LoRA on embeddings / "
-                         "the LM head is not supported; only the model's linear layers",
-                         code="unsupported_module")
     unknown = sorted(t for t in cfg["target_modules"] if not model.has_target(t))
     if unknown:
         raise BadAdapter(f"adapter_config target_modules {unknown[:20]} are not linear layers "
@@ -538,13 +611,26 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
                          code="unknown_module")
     halves: dict[str, dict[str, tuple]] = {}
     for s in specs:
-        module, half = parse_peft_key(s.name)
-        if module.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens"):
-            raise BadAdapter(f"tensor {s.name!r}: LoRA on {module} (embeddings / LM head) is "
-                             "not supported; only the model's linear layers", code="unsupported_module")
-        if module not in model.linear:
+        module, half, embedding_form = _parse_key(s.name)
+        if len(s.shape) == 3:
+            raise BadAdapter(f"tensor {s.name!r} is 3-D {list(s.shape)}: fused expert LoRA "
+                             "(PEFT target_parameters) travels per expert, "
+                             "'<experts>.<e>.gate_proj.lora_A.weight' (LoRAAdapter."
+                             "from_peft_model converts it)", code="unsupported_module")
+        if module.rsplit(".", 1)[-1] in VOCAB_LAYERS:
+            _check_vocab_layer(s.name, module, model)
+        if model.layer(module) is None:
+            hint = ("; LoRA on routed experts travels per expert, "
+                    "'<experts>.<e>.gate_proj.lora_A.weight' (LoRAAdapter.from_peft_model "
+                    "converts PEFT's target_parameters)" if ".experts" in module else "")
             raise BadAdapter(f"tensor {s.name!r}: the base model has no LoRA-able module "
-                             f"{module!r}", code="unknown_module")
+                             f"{module!r}{hint}", code="unknown_module")
+        if embedding_form != (module in model.embeddings):
+            raise BadAdapter(f"tensor {s.name!r}: PEFT names the LoRA tensors of an embedding "
+                             "'<module>.lora_embedding_A' / '_B' and those of a linear layer "
+                             f"'<module>.lora_A.weight' / '_B'; {module!r} is "
+                             f"{'an embedding' if module in model.embeddings else 'linear'}",
+                             code="unknown_tensor")
         if len(s.shape) != 2:
             raise BadAdapter(f"tensor {s.name!r} must be 2-D, got shape {list(s.shape)}",
                              code="bad_shape")
@@ -563,7 +649,7 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
             missing = ({"A", "B"} - set(h)).pop()
             raise BadAdapter(f"module {module!r} has no lora_{missing} tensor",
                              code="missing_tensor")
-        fan_in, fan_out = model.linear[module]
+        fan_in, fan_out = model.layer(module)
         (ra, a_in), (b_out, rb) = h["A"], h["B"]
         if a_in != fan_in or b_out != fan_out or ra != rb:
             raise BadAdapter(

@@ -21,6 +21,8 @@ BY_ENGINE = "tests/test_coverage.py::test_each_engine_serves_or_refuses_each_cas
 REFUSED_BY_CODE = "tests/test_coverage.py::test_refused_rows_are_refused_by_code_on_each_engine"
 PREVIOUS_SERVES = "tests/test_coverage.py::test_refused_rows_leave_the_previous_version_serving"
 SGLANG_CODE = "tests/test_coverage.py::test_sglang_reads_no_config_feature_and_its_coverage_says_so"
+MOE_SERVED = "tests/test_moe_serving.py::test_moe_lora_syncs_as_disk_and_peft_on_each_engine"
+MOE_CHECKED = "tests/test_moe_serving.py::test_expert_adapters_are_checked_against_the_models_experts"
 
 
 @dataclass(frozen=True)
@@ -97,17 +99,31 @@ ROWS = (
     Row("rank below max", "r below the server's --max-lora-rank", both(
         served("the adapter fills the first r rows of its slot",
                [VLLM_ALL, SGLANG_ALL, BY_ENGINE])), "rank below max"),
-    Row("embed_tokens", "LoRA on the input embedding", both(refused(
-        "unsupported_module", "embed_tokens",
-        f"{OURS}; both engines have embedding LoRA layers (open: issue 44)",
-        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
-    Row("lm_head", "LoRA on the LM head", both(refused(
-        "unsupported_module", "lm_head",
-        f"{OURS}; both engines have LM-head LoRA layers (open: issue 44)",
-        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
-    Row("tied embeddings", "embed_tokens and lm_head adapted together, tied", both(refused(
-        "unsupported_module", "embed_tokens", f"{OURS} (open: issue 44)",
-        [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("embed_tokens", "LoRA on the input embedding (PEFT `lora_embedding_A` / `_B`)", {
+        "vllm": served("vllm/lora/layers/vocab_parallel_embedding.py "
+                       "VocabParallelEmbeddingWithLoRA (the model's embedding_modules); "
+                       "LoRAModel.from_lora_tensors checks lora_embedding_A against the vocabulary",
+                       [VLLM_ALL, BY_ENGINE], "tensors, shm, broadcast"),
+        "sglang": served("sglang/srt/lora/lora.py _process_weight keeps it in embedding_layers; "
+                         "mem_pool.py copies it into embedding_A/B buffers (--lora-target-modules "
+                         "all includes embed_tokens)", [SGLANG_ALL, BY_ENGINE],
+                         "tensors, shm, broadcast"),
+    }, "embed_tokens"),
+    Row("lm_head", "LoRA on the LM head", {
+        "vllm": served("vllm/lora/model_manager.py wraps lm_head's logits processor in "
+                       "LogitsProcessorWithLoRA", [VLLM_ALL, BY_ENGINE],
+                       "tensors, shm, broadcast"),
+        "sglang": served("sglang/srt/lora/mem_pool.py lm_head_A/B buffers, "
+                         "layers.py ParallelLMHeadWithLoRA", [SGLANG_ALL, BY_ENGINE],
+                         "tensors, shm, broadcast"),
+    }, "lm_head"),
+    Row("tied embeddings", "LoRA on embed_tokens or lm_head of a model that ties them "
+        "(`tie_word_embeddings`, PEFT `ensure_weight_tying`)", both(refused(
+            "unsupported_module", "tied embeddings",
+            "PEFT adapts a tied weight through one module; neither engine's tied layers were "
+            "checked against PEFT's forward, so lora-sync refuses rather than guesses",
+            [REFUSED_BY_CODE, PREVIOUS_SERVES, "tests/test_coverage.py::"
+             "test_vocabulary_layers_are_checked_by_shape_name_form_and_tying"]))),
     Row("modules_to_save", "fully trained copies of modules", both(refused(
         "unsupported_module", "modules_to_save",
         "vLLM's PEFTHelper._validate_features refuses it (but for classifier heads); "
@@ -128,10 +144,32 @@ ROWS = (
         "vLLM's PEFTHelper._validate_features refuses it; SGLang's LoRAConfig reads no "
         "lora_bias (it would be served without it)",
         [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
-    Row("MoE experts", "PEFT `target_parameters` on fused 3-D expert weights", both(refused(
-        "unknown_module", "experts",
-        f"{OURS}: expert weights are parameters, not nn.Linear modules; MoE LoRA on CPU is "
-        "open (issue 44, item 2)", [REFUSED_BY_CODE, PREVIOUS_SERVES]))),
+    Row("MoE attention", "LoRA on the attention layers of an MoE model (Qwen3-MoE, 8 experts, "
+        "top-2)", both(served(
+            "needs no expert LoRA; on a CPU the MoE layers run through TEST-ONLY torch "
+            "stand-ins (see MoE experts)", [MOE_SERVED]))),
+    Row("MoE experts", "routed-expert LoRA, per expert (`<experts>.<e>.gate_proj|up_proj|"
+        "down_proj.lora_A/B.weight`); PEFT's `target_parameters` converted to it by "
+        "`LoRAAdapter.from_peft_model`", {
+            "vllm": served("vllm/lora/layers/fused_moe.py FusedMoEWithLoRA reads per-expert "
+                           "pairs. vLLM 0.32 runs them (and any request on a LoRA-enabled MoE "
+                           "model) with Triton only: on a CPU build lora-sync refuses every "
+                           "push (`model_unsupported`); the tests run a TEST-ONLY torch "
+                           "stand-in for TritonExperts.apply (tests/vllm_moe_standin)",
+                           [MOE_SERVED, MOE_CHECKED], "tensors, shm, broadcast"),
+            "sglang": served("sglang/srt/lora/mem_pool.py reads per-expert pairs (--lora-target-"
+                             "modules all adds gate_up_proj/down_proj). On a CPU its MoE LoRA "
+                             "path is Triton only: the tests run TEST-ONLY torch stand-ins for "
+                             "the fused-MoE runner core, fused_moe_lora and "
+                             "moe_lora_align_block_size (tests/sgl_kernel_standin)",
+                             [MOE_SERVED, MOE_CHECKED], "tensors, shm, broadcast"),
+        }),
+    Row("MoE experts, fused 3-D", "PEFT `target_parameters` tensors as PEFT saves them "
+        "(lora_A [E*r, in] per fused parameter), sent as they are", both(refused(
+            "unsupported_module", "target_parameters",
+            "neither engine reads PEFT's fused form the way PEFT computes it (SGLang 0.5.23's "
+            "disk route accepts it and its scheduler dies on the first request): send it per "
+            "expert", [REFUSED_BY_CODE, PREVIOUS_SERVES, MOE_CHECKED]))),
 )
 
 

@@ -115,8 +115,9 @@ def bad_bodies(adapter, max_rank: int):
         ("NaN values", body_of(adapter, tensors={**t, a_key: torch.full_like(t[a_key], float("nan"))}), None),
         ("Inf values", body_of(adapter, tensors={**t, a_key: torch.full_like(t[a_key], float("inf"))}), None),
         ("extra unknown tensor", body_of(adapter, tensors={**t, "base_model.model.model.extra.weight": torch.ones(2)}), None),
-        ("lm_head LoRA", body_of(adapter, tensors={**t, "base_model.model.lm_head.lora_A.weight": torch.ones(8, 128),
-                                                  "base_model.model.lm_head.lora_B.weight": torch.ones(384, 8)}), None),
+        ("lm_head LoRA of another vocabulary", body_of(adapter, tensors={
+            **t, "base_model.model.lm_head.lora_A.weight": torch.ones(8, 128),
+            "base_model.model.lm_head.lora_B.weight": torch.ones(383, 8)}), None),
         ("modules_to_save", body_of(adapter, config={**adapter.config, "modules_to_save": ["lm_head"]}), None),
         ("regex target_modules", body_of(adapter, config={**adapter.config, "target_modules": ".*proj"}), None),
         ("unknown target module", body_of(adapter, config={**adapter.config, "target_modules": ["nope_proj"]}), None),

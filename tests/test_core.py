@@ -328,10 +328,15 @@ def test_parse_header_refuses_int_tensors():
 def test_peft_keys():
     assert parse_peft_key("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight") == \
         ("model.layers.0.mlp.up_proj", "B")
-    with pytest.raises(BadAdapter, match="embedding"):
-        parse_peft_key("base_model.model.model.embed_tokens.lora_embedding_A")
-    with pytest.raises(BadAdapter, match="not a PEFT"):
-        parse_peft_key("model.layers.0.mlp.up_proj.weight")
+    # an embedding's tensors are parameters: PEFT's names have no '.weight'
+    assert parse_peft_key("base_model.model.model.embed_tokens.lora_embedding_A") == \
+        ("model.embed_tokens", "A")
+    for key in ("model.layers.0.mlp.up_proj.weight", "x.lora_embedding_A.weight", "x.lora_A"):
+        with pytest.raises(BadAdapter, match="not a PEFT") as e:
+            parse_peft_key(key)
+        assert e.value.code == "unknown_tensor"
+    with pytest.raises(BadAdapter, match="save_embedding_layers"):
+        parse_peft_key("base_model.model.lm_head.base_layer.weight")
 
 
 def test_all_linear_becomes_explicit_module_list():

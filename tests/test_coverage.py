@@ -11,6 +11,7 @@ engine-specific "refused" cell refused by code with the previous version still s
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -46,7 +47,11 @@ CASES = {
     # changes nothing on an engine that ignores it: served there too
     "rank_pattern giving every module r": dict(r=8, lora_alpha=16, rank_pattern={"q_proj": 8}),
     "use_rslora at r=1": dict(r=1, lora_alpha=2, use_rslora=True),
+    "embed_tokens": dict(r=8, lora_alpha=16, target_modules=[*ALL, "embed_tokens"]),
+    "lm_head": dict(r=8, lora_alpha=16, target_modules=[*ALL, "lm_head"]),
 }
+# Served cases also pushed by shm and broadcast on each real server.
+EVERY_TRANSPORT = ("rank_pattern", "embed_tokens", "lm_head")
 # Without the feature: what an engine that ignores it computes from the same weights.
 WITHOUT = {"alpha_pattern": dict(r=8, lora_alpha=16), "use_rslora": dict(r=16, lora_alpha=8)}
 
@@ -72,8 +77,8 @@ def tiny_spec(model_dir):
 
 
 def spec_for(tiny_spec, engine: str) -> ModelSpec:
-    return ModelSpec(tiny_spec.linear, tiny_spec.max_rank,
-                     vllm_coverage() if engine == "vllm" else sglang_like())
+    return dataclasses.replace(
+        tiny_spec, coverage=vllm_coverage() if engine == "vllm" else sglang_like())
 
 
 def modules_of(adapter) -> list[str]:
@@ -204,6 +209,42 @@ def test_a_rank_above_the_slot_in_one_module_only_is_refused():
     assert e.value.code == "bad_shape" and "o_proj" in e.value.message
 
 
+def test_vocabulary_layers_are_checked_by_shape_name_form_and_tying(tiny_spec):
+    """embed_tokens (PEFT's lora_embedding_A [r, vocab] / _B [hidden, r]) and lm_head
+    (lora_A [r, hidden] / lora_B [vocab, r]) pass where they fit; a wrong shape, the other
+    name form, an engine that serves no LoRA there, and a model that ties them are refused
+    by name."""
+    emb = "base_model.model.model.embed_tokens.lora_embedding_"
+    head = "base_model.model.lm_head.lora_"
+    good = {f"{emb}A": torch.ones(8, 384), f"{emb}B": torch.ones(128, 8),
+            f"{head}A.weight": torch.ones(8, 128), f"{head}B.weight": torch.ones(384, 8)}
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["embed_tokens", "lm_head"]}
+    spec = spec_for(tiny_spec, "vllm")
+    assert spec.vocab == {"model.embed_tokens": (384, 128), "lm_head": (128, 384)}
+    assert check_adapter(specs_of(good), config, spec)["target_modules"] == \
+        ["embed_tokens", "lm_head"]
+    assert ModelSpec.from_info(spec.info()) == spec  # what a trainer checks a broadcast with
+
+    def refused(tensors, code, named, model=spec):
+        with pytest.raises(BadAdapter) as e:
+            check_adapter(specs_of(tensors), config, model)
+        assert e.value.code == code and named in e.value.message, e.value.message
+    refused({**good, f"{emb}A": torch.ones(8, 385)}, "bad_shape", "embed_tokens")
+    refused({**good, f"{head}B.weight": torch.ones(383, 8)}, "bad_shape", "lm_head")
+    # the linear form on an embedding, the embedding form on a linear layer
+    renamed = {k.replace("lora_embedding_A", "lora_A.weight"): v for k, v in good.items()}
+    refused(renamed, "unknown_tensor", "embedding")
+    renamed = {k.replace("lora_A.weight", "lora_embedding_A"): v for k, v in good.items()}
+    refused(renamed, "unknown_tensor", "linear")
+    no_head = ModelSpec(spec.linear, 64, Coverage("X", vocab=frozenset({"embed_tokens"})),
+                        spec.vocab, spec.embeddings)
+    refused(good, "unsupported_module", "lm_head", no_head)
+    tied = ModelSpec(spec.linear, 64, spec.coverage, spec.vocab, spec.embeddings, tied=True)
+    refused(good, "unsupported_module", "tie", tied)
+    # an old server's info (no vocab in its coverage): the trainer assumes none is served
+    assert Coverage.from_json({"fused": []}).vocab == frozenset()
+
+
 def test_a_backtracking_pattern_key_is_bounded_in_time():
     """Pattern keys are regular expressions (PEFT's rule): one that backtracks for ever is
     refused within the matching budget, not run to the end."""
@@ -319,23 +360,14 @@ def test_every_cell_names_a_test_that_exists_and_the_engines_agree():
 REFUSED_ADAPTERS = {
     # row -> (tensors changed, config changed) of a plain rank-8 all-linear adapter
     # as PEFT writes them: the module in target_modules, and its tensors
-    "embed_tokens": ({"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(8, 384),
-                      "base_model.model.model.embed_tokens.lora_embedding_B": torch.ones(128, 8)},
-                     {"target_modules": ["embed_tokens", "q_proj"]}),
-    "lm_head": ({"base_model.model.lm_head.lora_A.weight": torch.ones(8, 128),
-                 "base_model.model.lm_head.lora_B.weight": torch.ones(384, 8)},
-                {"target_modules": ["lm_head", "q_proj"]}),
-    "tied embeddings": ({"base_model.model.model.embed_tokens.lora_embedding_A":
-                         torch.ones(8, 384),
-                         "base_model.model.model.embed_tokens.lora_embedding_B":
-                         torch.ones(128, 8)}, {"target_modules": ["embed_tokens", "lm_head"],
-                                               "ensure_weight_tying": True}),
+    "tied embeddings": ({}, {"target_modules": ["embed_tokens", "lm_head", "q_proj"],
+                             "ensure_weight_tying": True}),
     "modules_to_save": ({}, {"modules_to_save": ["lm_head"]}),
     "DoRA": ({"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector":
               torch.ones(128)}, {"use_dora": True}),
     "bias": ({}, {"bias": "lora_only"}),
     "LoRA bias": ({}, {"lora_bias": True}),
-    "MoE experts": ({"base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight":
+    "MoE experts, fused 3-D": ({"base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight":
                      torch.ones(8, 8, 128),
                      "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight":
                      torch.ones(8, 512, 8)}, {"target_parameters": ["mlp.experts.gate_up_proj"]}),
@@ -399,30 +431,38 @@ def served_cases(engine: str) -> list[str]:
     return [case for case in CASES if coverage_matrix.cell_for_case(case, engine).served]
 
 
+def served_as_disk_and_peft(c, engine: str, case: str, seed: int, name: str, model_dir,
+                            workdir) -> list:
+    """Pushes the case's adapter by every transport its matrix cell names (tensors first):
+    each serves PEFT's tokens, and so does the engine's disk route. Returns them."""
+    adapter, want = oracle(model_dir, seed, PROMPT, N_TOKENS, **CASES[case])
+    transports = coverage_matrix.cell_for_case(case, engine).transports.split(", ")
+    assert transports[0] == "tensors", case
+    for transport in transports:
+        if transport == "broadcast":
+            c.init_group(group_name="coverage", timeout_s=60)
+            try:
+                [res] = c.broadcast(adapter, name)
+            finally:
+                c.destroy_group()
+        else:
+            [res] = c.push(adapter, name, transport=transport)
+        assert res.transport == transport
+        assert server_greedy(c, res.name, PROMPT, N_TOKENS) == want, (case, transport)
+    assert disk_text(c, adapter, name, workdir) == want, case
+    return want
+
+
 def test_vllm_serves_per_module_ranks_alphas_and_rslora_as_disk_and_peft(vllm, model_dir,
                                                                         workdir):
-    """Every case the matrix says vLLM serves, pushed by tensors (rank_pattern also by shm and
-    broadcast): the same tokens as vLLM's disk route and as PEFT's forward."""
-    base = None
+    """Every case the matrix says vLLM serves, pushed by each transport its cell names: the
+    same tokens as vLLM's disk route and as PEFT's forward (and not the base model's)."""
     with LoRASyncClient(vllm.url, engine="vllm", api_key=vllm.api_key) as c:
         base = server_greedy(c, "base", PROMPT, N_TOKENS)
         for i, case in enumerate(served_cases("vllm")):
-            adapter, want = oracle(model_dir, 700 + i, PROMPT, N_TOKENS, **CASES[case])
-            name = f"cov-v-{i}"
-            [res] = c.push(adapter, name, transport="tensors")
-            got = server_greedy(c, res.name, PROMPT, N_TOKENS)
-            assert (got, disk_text(c, adapter, f"v{i}", workdir)) == (want, want), case
+            want = served_as_disk_and_peft(c, "vllm", case, 700 + i, f"cov-v-{i}",
+                                           model_dir, workdir)
             assert want != base, case
-            if case == "rank_pattern":
-                [res] = c.push(adapter, name, transport="shm")
-                assert res.transport == "shm"
-                assert server_greedy(c, res.name, PROMPT, N_TOKENS) == want, "shm"
-                c.init_group(group_name="coverage", timeout_s=60)
-                try:
-                    [res] = c.broadcast(adapter, name)
-                finally:
-                    c.destroy_group()
-                assert server_greedy(c, res.name, PROMPT, N_TOKENS) == want, "broadcast"
     assert vllm.alive(), vllm.log_tail()
 
 
@@ -435,10 +475,8 @@ def test_sglang_serves_what_it_reads_and_refuses_what_it_would_serve_wrong(sglan
     buffer-shape assert in the scheduler, not tried on a shared server)."""
     with LoRASyncClient(sglang.url, engine="sglang", api_key=sglang.api_key) as c:
         for i, case in enumerate(served_cases("sglang")):
-            adapter, want = oracle(model_dir, 800 + i, PROMPT, N_TOKENS, **CASES[case])
-            [res] = c.push(adapter, f"cov-s-{i}", transport="tensors")
-            got = server_greedy(c, res.name, PROMPT, N_TOKENS)
-            assert (got, disk_text(c, adapter, f"s{i}", workdir)) == (want, want), case
+            served_as_disk_and_peft(c, "sglang", case, 800 + i, f"cov-s-{i}",
+                                    model_dir, workdir)
         adapter, _ = oracle(model_dir, 850, PROMPT, N_TOKENS, **CASES["rank below max"])
         [res] = c.push(adapter, "cov-s-keep", transport="tensors")
         before = server_greedy(c, "cov-s-keep", PROMPT, N_TOKENS)

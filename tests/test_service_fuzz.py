@@ -30,14 +30,16 @@ SEEDS = (401, 402, 403)
 WHICH = st.sampled_from([0, 1])  # which of the run's two names
 
 
-def test_random_operation_sequences_keep_the_invariants(fake_server, make_adapter):
+def test_random_operation_sequences_keep_the_invariants(make_fake_server, make_adapter):
     """test_integrity.py::test_random_operation_sequences_keep_the_invariants, longer: random
     pushes (every transport, auto and explicit versions), retires and requests (alias,
     versions in and out of the window, retired names). After every step: the server lists
     exactly the versions the model says, each request is served by the version it names with
     that version's weights (or is a 404, version_retired for our names), and the fake engine
     saw nothing a real one would crash on. At the end the workers hold no version nobody
-    lists. Each run has names of its own (runs do not see each other's retired names)."""
+    lists. Each run has names of its own (runs do not see each other's retired names). A
+    server of its own: the session's shared one may hold other tests' names up to its cap."""
+    fake_server = make_fake_server()
     client = LoRASyncClient(fake_server.url, api_key=fake_server.api_key)
     adapters = {s: make_adapter(seed=s) for s in SEEDS}
     expected = {s: served_text(adapters[s]) for s in SEEDS}

@@ -124,7 +124,7 @@ BAD_BODY_CODES = {
     "int tensors": (400, "bad_dtype"), "pickle payload": (400, "bad_safetensors"),
     "float64 tensors": (400, "bad_dtype"), "NaN values": (400, "non_finite"),
     "Inf values": (400, "non_finite"), "extra unknown tensor": (400, "unknown_tensor"),
-    "lm_head LoRA": (400, "unsupported_module"), "modules_to_save": (400, "unsupported_module"),
+    "lm_head LoRA of another vocabulary": (400, "bad_shape"), "modules_to_save": (400, "unsupported_module"),
     "regex target_modules": (400, "bad_config"), "unknown target module": (400, "unknown_module"),
     "pickle as JSON route": (415, "bad_content_type"),
     "upstream SGLang pickle payload": (415, "bad_content_type"),

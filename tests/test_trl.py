@@ -104,18 +104,29 @@ def test_refuses_what_trls_adapter_sync_refuses(model_dir, tmp_path, peft_config
 
 
 def test_refuses_what_lora_sync_servers_would(model_dir):
-    """TRL's check lets per-module ranks and ranks above the servers' through."""
+    """TRL's check lets through what a server refuses (a rank above its slots; per-module
+    ranks where the engine reads none): given the servers' lora_sync_info, check_servable
+    runs each server's own check_adapter, and accepts what every server accepts."""
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lora_sync.adapter import Coverage, ModelSpec
     from lora_sync.integrations.trl import check_servable
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    with pytest.raises(ValueError, match="per-module ranks"):
-        check_servable(get_peft_model(base, lora(rank_pattern={"q_proj": 16})))
+    from vllm_ext.bridge import COVERAGE
+
+    def info(max_rank, coverage=COVERAGE):
+        return ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir), max_rank,
+                                        coverage).info()
+    sglang_like = Coverage("SGLang", config_features=frozenset())
+    per_module = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                                lora(rank_pattern={"q_proj": 4}))
+    assert check_servable(per_module, [info(16)]).rank_pattern == {"q_proj": 4}
+    with pytest.raises(ValueError, match="does not read rank_pattern"):
+        check_servable(per_module, [info(16), info(16, sglang_like)])
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora(r=16))
-    assert check_servable(model, max_rank=16).r == 16
+    assert check_servable(model, [info(16)]).r == 16
     with pytest.raises(ValueError, match="max LoRA rank 8"):
-        check_servable(model, max_rank=8)
+        check_servable(model, [info(8)])
 
 
 def test_refuses_without_lora_or_with_another_weight_sync(model_dir, tmp_path):

@@ -61,7 +61,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     AsyncGRPOTrainer as _TRLAsyncGRPOTrainer, validate_lora_for_vllm_sync)
 
 from .. import naming
-from ..adapter import LoRAAdapter, check_config
+from ..adapter import LoRAAdapter, ModelSpec, check_adapter, check_config
 from ..errors import BadAdapter, LoRASyncError, PushFailed
 from ..server.pins import require_supported
 from ..trainer.client import LoRASyncClient
@@ -104,10 +104,11 @@ TOUCHED = [
 ]
 
 
-def check_servable(model, max_rank: int | None = None):
+def check_servable(model, infos: list[dict] | None = None):
     """The active adapter's PEFT config if lora-sync can push it; else a ValueError naming
-    why: TRL's own adapter check first (DoRA, modules_to_save, bias, ...), then lora-sync's
-    (what its servers would refuse, e.g. per-module ranks; rank above `max_rank`)."""
+    why: TRL's own adapter check first (DoRA, modules_to_save, bias, ...), then lora-sync's:
+    its config rules alone, or, given the servers' `lora_sync_info` replies, the whole check
+    each server runs on a push (check_adapter: its model's layers, max rank and coverage)."""
     try:
         peft_config = validate_lora_for_vllm_sync(model)
     except ValueError as e:
@@ -116,7 +117,9 @@ def check_servable(model, max_rank: int | None = None):
                          "does not apply)") from None
     try:
         adapter = LoRAAdapter.from_peft_model(model, model.active_adapters[0])
-        check_config(adapter.config, max_rank if max_rank is not None else adapter.rank)
+        check_config(adapter.config, adapter.rank)
+        for info in infos or ():
+            check_adapter(adapter.specs(), adapter.config, ModelSpec.from_info(info))
     except BadAdapter as e:
         raise ValueError(f"lora-sync cannot sync this adapter: {e.message}") from None
     return peft_config
@@ -243,11 +246,10 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
         check_servable(model)
         client = self.lora_sync_connect()
         info = client.info()
-        max_rank = min(i["max_lora_rank"] for i in info)
         if self.lora_sync_restore_versions is None:  # what the servers keep of a name
             self.lora_sync_restore_versions = min(int(i.get("keep_versions") or 1)
                                                   for i in info)
-        check_servable(model, max_rank)
+        check_servable(model, info)
         self._lora_name = self.lora_sync_name
         logger.info("TRL AsyncGRPO: LoRA syncs are lora-sync pushes (%s) of %s-v<N> to %s",
                     self.lora_sync_transport, self.lora_sync_name,

@@ -61,3 +61,55 @@ class _PinMemoryPatchHook(importlib.abc.MetaPathFinder):
 
 if not any(isinstance(f, _PinMemoryPatchHook) for f in sys.meta_path):
     sys.meta_path.insert(0, _PinMemoryPatchHook())
+
+
+# MoE LoRA (tests/sgl_kernel_standin/moe_lora_cpu_standin.py, TEST-ONLY stand-ins for the
+# Triton/CUDA pieces of SGLang's routed-expert LoRA path): installed right after the module
+# that needs each one is executed, and only without an accelerator. A dense model never
+# calls what they register.
+def _after_lora_moe_runners(module):
+    import moe_lora_cpu_standin as standin
+
+    import sglang.kernels.ops.lora.moe.fused_moe_lora_kernel as kernel
+    if not hasattr(module, "moe_lora_align_block_size"):  # imported on CUDA/HIP/XPU only
+        module.moe_lora_align_block_size = standin.moe_lora_align_block_size_standin
+    kernel.fused_moe_lora = standin.fused_moe_lora_standin
+
+
+def _after_moe_runner(module):
+    import moe_lora_cpu_standin as standin
+    module.register_moe_runner_core("triton", standin.make_torch_moe_runner_core)
+
+
+_AFTER_IMPORT = {"sglang.srt.lora.lora_moe_runners": _after_lora_moe_runners,
+                 "sglang.srt.layers.moe.moe_runner.runner": _after_moe_runner}
+
+
+def _no_accelerator() -> bool:
+    import torch
+    try:
+        return not torch.accelerator.is_available()
+    except AttributeError:
+        return not torch.cuda.is_available()
+
+
+class _AfterImportHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        after = _AFTER_IMPORT.get(fullname)
+        if after is None or not _no_accelerator():
+            return None
+        spec = next((s for f in sys.meta_path if f is not self and hasattr(f, "find_spec")
+                     for s in [f.find_spec(fullname, path, target)] if s is not None), None)
+        if spec is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            after(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if not any(isinstance(f, _AfterImportHook) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterImportHook())

@@ -1,0 +1,151 @@
+"""LoRA on an MoE model (a tiny Qwen3-MoE: 8 experts, top-2): attention LoRA and routed-expert
+LoRA, pushed by every transport, token-identical to the engine's own disk route and to PEFT's
+forward (target_parameters on the fused experts; lora_sync.moe sends it per expert).
+
+Neither engine runs MoE LoRA on a CPU out of the box: each server here runs with TEST-ONLY
+pure-torch stand-ins for exactly the Triton pieces of its MoE LoRA path
+(tests/vllm_moe_standin for vLLM's TritonExperts.apply, tests/sgl_kernel_standin's
+moe_lora_cpu_standin for SGLang's fused-MoE runner core, fused_moe_lora and
+moe_lora_align_block_size). Without them lora-sync refuses every push on vLLM
+(tests/test_moe.py); SGLang does not start with experts targeted."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lora_sync import LoRAAdapter, LoRASyncClient
+from lora_sync.adapter import ModelSpec, check_adapter
+from lora_sync.errors import BadAdapter
+from lora_sync.moe import per_expert
+
+from .conftest import REPO, SERVER_ENV, real_server
+from .helpers import PROMPT, disk_model
+from .peft_oracle import peft_greedy, server_greedy
+
+N_TOKENS = 8
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# Each case: (LoraConfig arguments, transports). Attention LoRA needs no expert LoRA at all.
+CASES = {"attention": (dict(r=8, lora_alpha=16, target_modules=ATTENTION), ("tensors",)),
+         "experts and attention": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                        target_parameters=EXPERTS),
+                                   ("tensors", "shm", "broadcast"))}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from testbed.tiny_model import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", arch="qwen3_moe")
+
+
+def moe_peft(model_dir, seed: int, **lora_config):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from testbed.tiny_model import randomize_lora
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **lora_config))
+    randomize_lora(model, seed)
+    return model.eval()
+
+
+def oracle(model_dir, seed, **lora_config):
+    model = moe_peft(model_dir, seed, **lora_config)
+    return LoRAAdapter.from_peft_model(model), peft_greedy(model, model_dir, PROMPT, N_TOKENS)
+
+
+# -- in process ---------------------------------------------------------------------------
+def test_per_expert_form_computes_what_peft_computes(moe_dir):
+    """lora_sync.moe.per_expert: expert e's delta B_e @ A_e, scaled, is PEFT's own delta on
+    expert e of the fused parameter (gate rows then up rows for gate_up_proj), and PEFT loads
+    the per-expert form back as the same adapter (its transformers-5 conversion)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    model = moe_peft(moe_dir, 5, **CASES["experts and attention"][0])
+    adapter = LoRAAdapter.from_peft_model(model)
+    scale = 8 / 4
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    for param in ("gate_up_proj", "down_proj"):
+        wrapper = experts if param == "down_proj" else experts.base_layer
+        delta = wrapper.get_delta_weight("default")  # [E, out, in] as the parameter
+        parts = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
+        for e in (0, 7):
+            key = f"base_model.model.model.layers.0.mlp.experts.{e}.{{}}.lora_{{}}.weight"
+            ours = torch.cat([adapter.tensors[key.format(p, "B")]
+                              @ adapter.tensors[key.format(p, "A")] for p in parts])
+            torch.testing.assert_close(ours * scale, delta[e])  # [out, in], as the parameter
+    assert "target_parameters" not in adapter.config
+    assert {"gate_proj", "up_proj", "down_proj"} <= set(adapter.config["target_modules"])
+    path = moe_dir.parent / "per-expert"
+    adapter.save(path)
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32), path).eval()
+    ids = torch.tensor([[5, 9, 200, 31, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_adapters_are_checked_against_the_models_experts(moe_dir):
+    """Per-expert pairs fit the experts' shapes; an expert index out of range, a wrong
+    expert shape, PEFT's fused 3-D form and the router are refused by name."""
+    from transformers import AutoConfig
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(moe_dir), 16)
+    adapter, _ = oracle(moe_dir, 6, **CASES["experts and attention"][0])
+    check_adapter(adapter.specs(), adapter.config, spec)
+    assert ModelSpec.from_info(spec.info()) == spec
+    key = "base_model.model.model.layers.1.mlp.experts.{}.down_proj.lora_{}.weight"
+
+    def refused(tensors, config, code, named):
+        with pytest.raises(BadAdapter) as e:
+            check_adapter(LoRAAdapter(tensors, config).specs(), config, spec)
+        assert e.value.code == code and named in e.value.message, e.value.message
+    cfg = adapter.config
+    refused({**adapter.tensors, key.format(8, "A"): torch.ones(4, 64),
+             key.format(8, "B"): torch.ones(128, 4)}, cfg, "unknown_module", "expert index")
+    refused({**adapter.tensors, key.format(0, "A"): torch.ones(4, 128)}, cfg, "bad_shape",
+            "experts.0.down_proj")
+    fused = {"base_model.model.model.layers.0.mlp.experts.lora_A.weight": torch.ones(32, 64),
+             "base_model.model.model.layers.0.mlp.experts.lora_B.weight": torch.ones(128, 32)}
+    refused(fused, {**cfg, "target_parameters": EXPERTS}, "unsupported_module",
+            "target_parameters")
+    refused(fused, cfg, "unknown_module", "per expert")
+    router = {"base_model.model.model.layers.0.mlp.gate.lora_A.weight": torch.ones(4, 128),
+              "base_model.model.model.layers.0.mlp.gate.lora_B.weight": torch.ones(8, 4)}
+    refused(router, {**cfg, "target_modules": ["gate"]}, "unknown_module", "gate")
+
+
+# -- real servers ---------------------------------------------------------------------------
+STANDIN = {"vllm": {"PYTHONPATH": str(REPO / "tests" / "vllm_moe_standin")}, "sglang": {}}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_moe_lora_syncs_as_disk_and_peft_on_each_engine(engine, moe_dir, tmp_path):
+    """One MoE server per engine (with its stand-ins): each case pushed by each of its
+    transports serves PEFT's tokens, as the engine's own disk route does, and differs from
+    the base model's."""
+    server = real_server(engine, moe_dir, {**SERVER_ENV, "LORA_SYNC_MAX_BODY_MB": "16",
+                                           "LORA_SYNC_MAX_STAGING_MB": "32",
+                                           **STANDIN[engine]})
+    with server, LoRASyncClient(server.url, engine=engine, api_key=server.api_key) as c:
+        base = server_greedy(c, "base", PROMPT, N_TOKENS)
+        for i, (case, (config, transports)) in enumerate(CASES.items()):
+            adapter, want = oracle(moe_dir, 60 + i, **config)
+            assert want != base, case
+            name = f"moe-{i}"
+            for transport in transports:
+                if transport == "broadcast":
+                    c.init_group(group_name="moe", timeout_s=60)
+                    try:
+                        [res] = c.broadcast(adapter, name)
+                    finally:
+                        c.destroy_group()
+                else:
+                    [res] = c.push(adapter, name, transport=transport)
+                assert server_greedy(c, res.name, PROMPT, N_TOKENS) == want, (case, transport)
+            disk = f"moe-disk-{i}-{time.monotonic_ns() % 10 ** 9}"
+            adapter.save(tmp_path / disk)
+            c.load_from_disk(str(tmp_path / disk), disk)
+            assert server_greedy(c, disk_model(c, disk), PROMPT, N_TOKENS) == want, case
+        assert server.alive(), server.log_tail()
