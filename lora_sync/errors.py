@@ -55,6 +55,8 @@ class ErrorCode(str, Enum):
     VERSION_CONFLICT = "version_conflict"
     GROUP_EXISTS = "group_exists"
     NAME_TAKEN = "name_taken"  # the engine already serves that name (or a case variant)
+    # the served model's LoRA forward cannot run on this engine build: every push refused
+    MODEL_UNSUPPORTED = "model_unsupported"
     LEASE_MAPPED = "lease_mapped"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     BAD_CONTENT_TYPE = "bad_content_type"
@@ -147,7 +149,8 @@ class Forbidden(LoRASyncError):
 
 class Conflict(LoRASyncError):
     """The request clashes with the server's state (409); the code says how: a group of that
-    name exists, a name the engine serves, a lease still mapped."""
+    name exists, a name the engine serves, a lease still mapped, a model whose LoRA forward
+    cannot run on this engine build (`model_unsupported`: every push, until it can)."""
     status, code = 409, "conflict"
 
 
@@ -180,7 +183,7 @@ class PushFailed(LoRASyncError):
 
 # Codes whose exception class is not the one their status alone would give.
 _CLASS_OF_CODE = {"version_conflict": VersionConflict, "group_exists": Conflict,
-                  "name_taken": Conflict,
+                  "name_taken": Conflict, "model_unsupported": Conflict,
                   "lease_mapped": Conflict, "body_timeout": TimedOut,
                   "transfer_failed": TransferFailed,
                   "client_disconnected": ClientDisconnected,

@@ -108,6 +108,15 @@ TOUCHED = (
     "vllm.lora.layers:MergedQKVParallelLinearWithLoRA",
     # lora-sync tenants through vLLM's --api-key middleware
     "vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware.verify_token(headers)",
+    # Worker: whether the model's LoRA forward can run here (lora_path_blocker)
+    "vllm.lora.layers:FusedMoEWithLoRA",
+    "vllm.lora.layers.fused_moe:FusedMoEWithLoRA._moe_kernel",
+    "vllm.lora.layers.fused_moe:FusedMoEWithLoRA.punica_wrapper",
+    "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernel.fused_experts",
+    "vllm.model_executor.layers.fused_moe.experts.triton_moe:TritonExperts",
+    "vllm.triton_utils:HAS_TRITON",
+    "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase.add_lora_w13",
+    "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase.add_lora_w2",
 )
 
 
@@ -285,6 +294,56 @@ def worker_rank(worker, data_parallel_size: int = 1) -> tuple[int, int]:
     pc = worker.vllm_config.parallel_config
     return (pc.data_parallel_index * pc.world_size + worker.rank,
             data_parallel_size * pc.world_size)
+
+
+# Set by tests/vllm_moe_standin (test-only) on TritonExperts once its apply runs on torch.
+MOE_STANDIN_ATTR = "_lora_sync_torch_standin"
+
+
+def lora_path_blocker(worker) -> str | None:
+    """Why a forward pass of this worker's LoRA-enabled model cannot run on this platform
+    (one line, for the operator and every refused push), or None when it can. Read once, from
+    the LoRA layers vLLM built. Never raises: a probe that fails says so as its reason.
+
+    vLLM 0.32/0.33 run the experts of every MoE layer of a LoRA-enabled model with Triton
+    (fused_moe/oracle/unquantized.py `select_unquantized_moe_backend`: is_lora_enabled picks
+    TRITON, no platform check), and TritonExperts.apply feeds the LoRA context, set for base
+    requests too, to the Punica wrapper's MoE kernels (add_lora_w13/_w2, which the CPU
+    wrapper lacks). Without Triton, the first request of any kind kills EngineCore."""
+    try:
+        return _moe_blocker(list(worker_lora_manager(worker)._adapter_manager.modules.values()))
+    except Exception as e:  # noqa: BLE001 - the probe's own failure is the answer
+        return (f"lora-sync could not check that this model's LoRA forward path runs on this "
+                f"vLLM build ({type(e).__name__}: {str(e)[:200]})")
+
+
+def _moe_blocker(modules: list) -> str | None:
+    from vllm.lora.layers import FusedMoEWithLoRA
+    moe = [m for m in modules if isinstance(m, FusedMoEWithLoRA)]
+    if not moe:
+        return None
+    import vllm
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.triton_utils import HAS_TRITON
+    for layer in moe:
+        experts = type(layer._moe_kernel.fused_experts)
+        if getattr(experts, MOE_STANDIN_ATTR, False):
+            continue  # the experts' apply runs on torch, LoRA deltas included
+        if issubclass(experts, TritonExperts) and not HAS_TRITON:
+            return (f"vLLM {vllm.__version__} runs the MoE experts of a LoRA-enabled model "
+                    f"with Triton kernels ({experts.__name__}), and Triton is not available "
+                    "on this build: every request on this server fails (the first forward "
+                    "pass kills the engine), base model included")
+        punica = type(layer.punica_wrapper)
+        missing = [m for m in ("add_lora_w13", "add_lora_w2")
+                   if getattr(punica, m, None) is getattr(PunicaWrapperBase, m)]
+        if missing:
+            return (f"vLLM {vllm.__version__}'s {punica.__name__} does not implement the MoE "
+                    f"LoRA kernels ({', '.join(missing)}) that {experts.__name__} calls on "
+                    "every forward pass of a LoRA-enabled MoE model: every request on this "
+                    "server fails, base model included")
+    return None
 
 
 def build_lora_model(manager, lora_int_id: int, tensors: dict, config: dict):

@@ -53,6 +53,10 @@ class LoRASyncEndpointPlugin:
         # vLLM's one API server serves prometheus_client's global registry at /metrics
         # (a multiprocess registry when PROMETHEUS_MULTIPROC_DIR is set): ours go there.
         metrics.install(service)
+        # A model whose LoRA forward cannot run here (MoE experts that need Triton on a CPU
+        # build): the server still starts, warns now (lora_sync's log handler is set up by
+        # metrics.install), and refuses every push saying why.
+        await service.model_unsupported(status)
 
 
 WORKER_EXTENSION = "worker_extensions.vllm.LoRASyncWorkerExtension"

@@ -50,6 +50,14 @@ class WorkerEngine(ABC):
         """Which of its own paths this engine's worker takes (shown in `info`)."""
         return {}
 
+    def model_unsupported(self) -> str | None:
+        """Why no forward pass of the served model with LoRA enabled can run on this worker
+        (a short reason: what cannot run, and that requests fail), or None when it can.
+        While a worker says so, the server refuses every push (`AdapterService.
+        refuse_if_unsupported`): an adapter whose first request kills the engine is never
+        taken. Cheap, never raises (a failed probe is itself a reason), asked once."""
+        return None
+
     @abstractmethod
     def unload(self, adapter_id: int) -> None:
         """Drops the engine's own copy (its LoRA cache entry)."""
@@ -81,7 +89,8 @@ class LoRASyncWorker:
         rank, world = self.engine.rank()
         return {"rank": rank, "world_size": world, "cached_ids": sorted(self.engine.cached_ids()),
                 "held_ids": sorted(self.state.adapters), "groups": self.state.group_names(),
-                "engine": self.engine.facts()}
+                "engine": self.engine.facts(),
+                "model_unsupported": self.engine.model_unsupported()}
 
     def intake(self, request: dict, notice_paths: list | None = None) -> dict:
         """Takes an adapter in through its transport's worker side, checks and builds it.

@@ -24,6 +24,9 @@ class VLLMWorkerEngine(WorkerEngine):
         engine_api.install_memory_loader(self.manager, self.built.get)
         # Activation writes our adapters' slots in one pass, lora_B scaled on the way.
         self.slot_layers = engine_api.install_slot_writer(self.manager)
+        # Whether the model's LoRA forward runs on this platform at all (MoE on a CPU build
+        # without Triton does not): read once, the model's layers do not change.
+        self.unsupported = engine_api.lora_path_blocker(vllm_worker)
 
     def rank(self):
         return engine_api.worker_rank(self.worker, self.data_parallel_size)
@@ -44,6 +47,9 @@ class VLLMWorkerEngine(WorkerEngine):
                 "slot_written": sorted(i for i, model in self.built.items()
                                        if engine_api.is_slot_written(
                                            [w.lora_b for w in model.loras.values()]))}
+
+    def model_unsupported(self) -> str | None:
+        return self.unsupported
 
     def unload(self, adapter_id: int) -> None:
         engine_api.remove_worker_adapter(self.manager, adapter_id)

@@ -10,7 +10,8 @@ the engine only when its last request finishes (and the engine itself has none l
 
 Two more jobs, because they sit on the same path:
   * the engines' own adapter routes (load/unload by name or path) are guarded like ours and
-    never act on our names (`NativeRoute`);
+    never act on our names (`NativeRoute`); a load is refused, as our pushes are, while the
+    model's LoRA path cannot run (`service.refuse_if_unsupported`);
   * SGLang's internal `lora_id` field is refused: it skips the engine's own checks.
 Every reply on an adapter carries `X-LoRA-Version` / `X-LoRA-Name` headers.
 """
@@ -107,6 +108,7 @@ class AdmissionMiddleware:
                 if native.unloads:
                     return await self._unload_native(service, name, scope,
                                                      _replay(body, receive), send)
+                await service.refuse_if_unsupported()  # a load: a push by the engine's route
                 return await self.app(scope, _replay(body, receive), send)
             admitted, scope, body = self._admit(service, scope, request, body)
         except LoRASyncError as e:

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import dataclasses
 import hmac
+import logging
 import math
 import time
 import uuid
@@ -24,6 +25,8 @@ from . import metrics
 from .bridge import EngineBridge
 from .settings import Settings
 from .tenants import OPERATOR, Caller, Tenancy, hide
+
+logger = logging.getLogger("lora_sync")
 
 # How often a drained version asks the engine whether a request still uses it.
 DRAIN_POLL_S = 0.05
@@ -121,6 +124,7 @@ class AdapterService:
         self.records: dict[str, AdapterRecord] = {}     # served name -> record
         self._locks = NameLocks()
         self._spec: ModelSpec | None = None
+        self._unsupported: tuple[str | None] | None = None  # (reason,) once workers said
         self.staging = StagingArea(root=self.settings.shm_dir, map_kept=self.settings.socket_body)
         self.workers = Workers(bridge)
         # Per transport, what it may use: its own state between requests (shm: the open
@@ -141,6 +145,35 @@ class AdapterService:
         if self._spec is None:
             self._spec = await self.bridge.model_spec()
         return self._spec
+
+    # -- the model: whether its LoRA forward runs here at all -----------------------------
+    async def model_unsupported(self, status: list[dict] | None = None) -> str | None:
+        """Why this engine cannot run its model's LoRA forward pass here (the workers' own
+        `model_unsupported` fact, e.g. MoE experts that need Triton on a CPU build), or None.
+        Asked of the workers once (from `status`, their info replies, when given) and kept:
+        the model does not change while the server runs. Logged loudly when first known."""
+        if self._unsupported is None:
+            if status is None:
+                status = await self.workers.status()
+            reasons = sorted({w["model_unsupported"] for w in status
+                              if isinstance(w.get("model_unsupported"), str)})
+            reason = "; ".join(reasons) or None
+            if self._unsupported is None:
+                self._unsupported = (reason,)
+                if reason is not None:
+                    logger.warning("lora-sync: this server refuses every adapter push (409 "
+                                   "model_unsupported): %s", reason)
+        return self._unsupported[0]
+
+    async def refuse_if_unsupported(self) -> None:
+        """Rule: until the model's LoRA path runs, every push is refused (each transport's
+        first step, and the engine's own load routes) with a 409 saying why; nothing is
+        staged or sent to a worker. An adapter whose first request kills the engine is never
+        taken."""
+        reason = await self.model_unsupported()
+        if reason is not None:
+            raise Conflict(f"this server cannot serve LoRA adapters for its model, so it "
+                           f"refuses every push: {reason}", code="model_unsupported")
 
     # -- access ------------------------------------------------------------------------
     def authorize(self, authorization: str | None) -> Caller:
@@ -228,6 +261,7 @@ class AdapterService:
         anything is staged, its scope once the name is known."""
         t0 = time.perf_counter()
         ctx = self.contexts[transport.name]
+        await self.refuse_if_unsupported()
         self.gate(caller, request, ctx, pushes=transport.start_path is None)
         settle_ms = await self.settle()
         token = _PUSHING.set(caller)
@@ -547,6 +581,7 @@ class AdapterService:
         status = await self.workers.status()
         info = {"instance_id": self.instance_id, "workers": len(status),
                 "worker_status": status, **spec.info(),
+                "model_unsupported": await self.model_unsupported(status),
                 "keep_versions": self.settings.keep_versions,
                 "max_body_bytes": self.settings.max_body_bytes,
                 "max_names": self.settings.max_names,
@@ -604,6 +639,8 @@ class AdapterService:
         per tenant (two requests of one tenant cannot both take its last lease), and what
         it gets is written down as its own."""
         is_lease = hasattr(request, "nbytes") and hasattr(request, "client")
+        if is_lease or hasattr(request, "master_port"):  # a push's first step (shm, broadcast)
+            await self.refuse_if_unsupported()
         self.gate(caller, request, ctx, pushes=is_lease)
         tenant = caller.tenant
         if tenant is None or not (is_lease or hasattr(request, "master_port")):
