@@ -3,6 +3,7 @@
 Also the checks that decide, from the header alone, whether a base model can serve it."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -21,7 +22,9 @@ from .fields import loads
 META_NAME, META_CONFIG, META_VERSION, META_CHECKSUM = (
     "lora_name", "adapter_config", "version", "checksum")
 
-MAX_TARGETS = 1024
+# target_modules / rank_pattern / alpha_pattern entries: one per LoRA pair at most (a config
+# may name every module in full).
+MAX_TARGETS = wire.MAX_TENSORS // 2
 # PEFT's names: '<module>.lora_A.weight' on a linear layer, '<module>.lora_embedding_A' (a
 # parameter, no '.weight') on an embedding.
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<embedding>embedding_)?"
@@ -351,8 +354,16 @@ class ModelSpec:
 
     def has_target(self, target: str) -> bool:
         """PEFT matches a target_modules entry against module-name suffixes."""
-        return target in self.module_bases or any(
-            n == target or n.endswith("." + target) for n in (*self.linear, *self.vocab))
+        return target in self._suffixes
+
+    @functools.cached_property
+    def _suffixes(self) -> frozenset[str]:
+        # Every '.'-boundary suffix of every module name, once: a config may list thousands
+        # of full names, each looked up here.
+        names = (*self.linear, *self.vocab)
+        return frozenset(self.module_bases).union(
+            ".".join(parts[i:]) for parts in (n.split(".") for n in names)
+            for i in range(len(parts)))
 
     @property
     def module_bases(self) -> set[str]:

@@ -9,6 +9,7 @@ The output is byte-compatible with `safetensors.torch.save` / `load`.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import struct
 import threading
@@ -23,11 +24,13 @@ from .fields import loads, unique_keys
 # safetensors dtype tag <-> torch dtype; LoRA weights are floating point only.
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPE_TAGS = {v: k for k, v in DTYPES.items()}
-# A header lists names, dtypes, shapes and offsets: ~130 bytes a tensor, ~50 KB for an
-# all-linear LoRA of a 0.5B model, ~2.5 MB for one on every expert of a large MoE. The bound
-# keeps a hostile header (millions of tiny JSON values) from holding the server for seconds.
-MAX_HEADER_BYTES = 8 * 1024 * 1024
+# A header lists names, dtypes, shapes and offsets: ~130 bytes a tensor (~170 with per-expert
+# MoE names), ~50 KB for an all-linear LoRA of a 0.5B model. MAX_TENSORS entries of the
+# longest of those fit; entries are counted before the JSON is parsed, so a hostile header
+# (many tiny entries) is refused after one scan, and the widest one that is parsed and
+# checked entry by entry stays under about a second of a core (benchmarks/large_adapter_bench.py).
 MAX_TENSORS = 100_000
+MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_DIM = 2 ** 40
 
 
@@ -156,14 +159,18 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
         raise BadAdapter(f"body is not a safetensors file: header claims {hlen - 8} bytes "
                          f"but only {len(buf) - 8} were sent", code="bad_safetensors")
     text = bytes(buf[8:hlen])
+    if text.count(b'"data_offsets"') > MAX_TENSORS:  # before any parse: one scan
+        raise BadAdapter(f"safetensors header lists more than {MAX_TENSORS} tensors",
+                         code="bad_safetensors")
     split = _split_metadata(text)
-    known = _KNOWN_ENTRIES.get(split[1]) if split is not None else None
+    key = _known_key(split[1]) if split is not None else None
+    known = _KNOWN_ENTRIES.get(key) if key is not None else None
     if known is not None:
         meta, (specs, offsets, pos) = split[0], known
     else:
         meta, specs, offsets, pos = _parse_whole(text)
-        if split is not None:
-            _remember(split[1], (specs, offsets, pos))
+        if key is not None:
+            _remember(key, (specs, offsets, pos))
     body_len = len(buf) if body_len is None else body_len
     if hlen + pos != body_len:
         raise BadAdapter(f"body has {body_len - hlen} data bytes but the header describes "
@@ -172,13 +179,13 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
 
 
 # A trainer pushes the same tensors every step, only `__metadata__` (name, version) changes:
-# the checked entries of the last few headers are kept, keyed by the header's text after its
-# metadata (336 entries at rank 64, checked in the API process and in each worker: a visible
-# part of a push's intake).
+# the checked entries of the last few headers are kept, keyed by the SHA-256 of the header's
+# text after its metadata (the text itself is not held). Checking every entry is a visible
+# part of a push's intake (in the API process and in each worker), and grows with the
+# tensor count: a 10,000-tensor header is over a megabyte of JSON.
 _META_PREFIX = '{"__metadata__":'
-_KNOWN_ENTRIES: dict[str, tuple] = {}
+_KNOWN_ENTRIES: dict[bytes, tuple] = {}
 _KNOWN_MAX = 4
-_KNOWN_MAX_CHARS = 1 << 20  # ~8000 tensors; a longer header is checked whole every time
 _KNOWN_LOCK = threading.Lock()  # headers are parsed on the event loop's threads
 _DECODER = json.JSONDecoder(object_pairs_hook=unique_keys)
 
@@ -198,13 +205,15 @@ def _split_metadata(text: bytes) -> tuple[dict, str] | None:
     return meta, doc[end:]
 
 
-def _remember(rest: str, entries: tuple) -> None:
-    if len(rest) > _KNOWN_MAX_CHARS:
-        return
+def _known_key(rest: str) -> bytes:
+    return hashlib.sha256(rest.encode("utf-8")).digest()
+
+
+def _remember(key: bytes, entries: tuple) -> None:
     with _KNOWN_LOCK:
         if len(_KNOWN_ENTRIES) >= _KNOWN_MAX:
             del _KNOWN_ENTRIES[next(iter(_KNOWN_ENTRIES))]  # the oldest
-        _KNOWN_ENTRIES[rest] = entries
+        _KNOWN_ENTRIES[key] = entries
 
 
 def _parse_whole(text: bytes) -> tuple[dict, list, list, int]:

@@ -300,9 +300,9 @@ def test_parsing_a_header_again_gives_what_a_first_parse_gives(pushes):
 
 
 def test_the_kept_header_entries_are_bounded_whatever_clients_send():
-    """What a client can make a server keep of its headers: the entries of the last 4, each
-    header at most 1 MiB of text. Many distinct headers, then one of 1.3 MB (20,000 tiny
-    tensors): at most 4 kept, none longer than the bound, and the long one still parses."""
+    """What a client can make a server keep of its headers: the checked entries of the last
+    4, keyed by a 32-byte digest (no header text is held). Many distinct headers, then one of
+    1.3 MB (20,000 tiny tensors), which is kept too and parses again the same."""
     from unittest import mock
     with mock.patch.dict(wire._KNOWN_ENTRIES, clear=True):
         for n in range(12):
@@ -312,11 +312,29 @@ def test_the_kept_header_entries_are_bounded_whatever_clients_send():
             assert len(wire._KNOWN_ENTRIES) == min(n + 1, wire._KNOWN_MAX)
         many = {f"tensor_{k:06d}": torch.zeros(1) for k in range(20_000)}
         header = wire.layout(many, {"lora_name": "x"})[0]
-        assert len(header) > wire._KNOWN_MAX_CHARS
+        assert len(header) > 1 << 20
         body = header + b"\0" * (4 * len(many))
-        assert len(wire.parse_header(body).specs) == len(many)
+        first = wire.parse_header(body)
+        assert len(first.specs) == len(many)
         assert len(wire._KNOWN_ENTRIES) <= wire._KNOWN_MAX
-        assert all(len(k) <= wire._KNOWN_MAX_CHARS for k in wire._KNOWN_ENTRIES)
+        assert all(isinstance(k, bytes) and len(k) == 32 for k in wire._KNOWN_ENTRIES)
+        again = wire.parse_header(header.replace(b'"x"', b'"y"', 1) + b"\0" * (4 * len(many)))
+        assert (again.specs, again.offsets) == (first.specs, first.offsets)
+
+
+def test_a_header_of_more_tensors_than_allowed_is_refused_before_its_json_is_read():
+    """MAX_TENSORS + 1 entries (tiny, valid JSON): refused by the count of their
+    data_offsets, so even the widest header costs one scan, not a parse."""
+    from unittest import mock
+    n = wire.MAX_TENSORS + 1
+    entry = '"t{}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
+    text = ("{" + ",".join(entry.format(i) for i in range(n)) + "}").encode()
+    assert len(text) < wire.MAX_HEADER_BYTES
+    body = len(text).to_bytes(8, "little") + text
+    with mock.patch.object(wire, "_parse_whole", side_effect=AssertionError("parsed")):
+        with pytest.raises(BadAdapter, match=f"more than {wire.MAX_TENSORS} tensors") as e:
+            wire.parse_header(body)
+    assert e.value.code == "bad_safetensors"
 
 
 def test_parse_header_refuses_int_tensors():

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lora_sync import LoRAAdapter, LoRASyncClient, wire
-from lora_sync.adapter import (CONFIG_FEATURES, PATTERN_BUDGET_S, Coverage, ModelSpec,
+from lora_sync.adapter import (CONFIG_FEATURES, MAX_TARGETS, PATTERN_BUDGET_S, Coverage, ModelSpec,
                                check_adapter, module_ranks)
 from lora_sync.errors import BadAdapter, LoRASyncError
 
@@ -179,7 +179,7 @@ def specs_of(tensors):
     ({"rank_pattern": ["q_proj"]}, "bad_config", "must be an object"),
     ({"rank_pattern": {"": 4}}, "bad_config", "keys must be"),
     ({"rank_pattern": {"x" * 300: 4}}, "bad_config", "keys must be"),
-    ({"rank_pattern": {f"k{i}": 4 for i in range(1025)}}, "bad_config", "at most"),
+    ({"rank_pattern": {f"k{i}": 4 for i in range(MAX_TARGETS + 1)}}, "bad_config", "at most"),
     ({"rank_pattern": {"q_proj(": 4}}, "bad_config", "not a valid regular expression"),
     ({"rank_pattern": {"q_proj": 8}}, "bad_shape", "rank 4 but adapter_config"),  # tensors: 4
     ({"use_rslora": "yes"}, "bad_config", "use_rslora"),
