@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lora_sync import LoRAAdapter, LoRASyncClient, wire
 from lora_sync.adapter import (CONFIG_FEATURES, MAX_TARGETS, PATTERN_BUDGET_S, Coverage, ModelSpec,
@@ -102,6 +104,68 @@ def test_module_ranks_are_peft_and_vllms(model_dir, case):
         r, alpha = ranks[module]
         assert (r, alpha / (math.sqrt(r) if rslora else r)) == (rank, scaling), module
         assert helper.get_rank_and_scaling(module) == (rank, pytest.approx(scaling)), module
+
+
+# Random mixes of the served features: ranks and alphas per module (by leaf, full or regular-
+# expression key), rsLoRA, a subset of layers and of projections (q/v and gate kept so that
+# every fused group is one SGLang serves too).
+_LEAVES = ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"]
+_KEYS = {"leaf": "{leaf}", "full": "model.layers.{layer}.{parent}.{leaf}",
+         "regex": r"layers\.{layer}\.{parent}\.{leaf}"}
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "o_proj": "self_attn",
+           "up_proj": "mlp", "down_proj": "mlp"}
+
+
+@st.composite
+def feature_mixes(draw):
+    r = draw(st.sampled_from([1, 2, 4, 8]))
+    targets = ["q_proj", "v_proj", "gate_proj", *draw(st.sets(st.sampled_from(_LEAVES)))]
+    config = dict(r=r, lora_alpha=draw(st.sampled_from([1, 2, 16, 24])),
+                  target_modules=sorted(set(targets)), use_rslora=draw(st.booleans()))
+    layers = draw(st.sampled_from([None, [0], [1]]))
+    if layers is not None:
+        config["layers_to_transform"] = layers
+    for field, values in (("rank_pattern", [1, 4, 16]), ("alpha_pattern", [3, 32])):
+        chosen = draw(st.lists(st.sampled_from(sorted(set(targets) & set(_LEAVES))),
+                               unique=True, max_size=2))
+        keyed = {}
+        for leaf in chosen:
+            layer = draw(st.sampled_from(layers or [0, 1]))
+            form = draw(st.sampled_from(sorted(_KEYS)))
+            keyed[_KEYS[form].format(leaf=leaf, layer=layer, parent=_PARENT[leaf])] = \
+                draw(st.sampled_from(values))
+        if keyed:
+            config[field] = keyed
+    return config
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(config=feature_mixes(), seed=st.integers(0, 2 ** 16))
+def test_random_feature_mixes_are_peft_and_vllms_and_refused_by_sglang_exactly_where_they_matter(
+        model_dir, tiny_spec, config, seed):
+    """Over random mixes: vLLM's coverage accepts each, with the rank and scaling PEFT's own
+    layers have on every module (module_ranks, and vLLM's PEFTHelper); SGLang's refuses it
+    exactly when some module's rank or scaling differs from r and lora_alpha / r (what
+    SGLang would serve instead)."""
+    from vllm.lora.peft_helper import PEFTHelper
+    model = peft_model(model_dir, seed, **config)
+    adapter = LoRAAdapter.from_peft_model(model)
+    check_adapter(adapter.specs(), adapter.config, spec_for(tiny_spec, "vllm"))
+    ranks = module_ranks(adapter.config, modules_of(adapter))
+    helper = PEFTHelper.from_dict(adapter.config)
+    r, alpha, rslora = config["r"], config["lora_alpha"], config["use_rslora"]
+    uniform = True
+    for module, (rank, scaling) in scalings(model).items():
+        ours, our_alpha = ranks[module]
+        assert (ours, our_alpha / (math.sqrt(ours) if rslora else ours)) == \
+            (rank, pytest.approx(scaling)), module
+        assert helper.get_rank_and_scaling(module) == (rank, pytest.approx(scaling)), module
+        uniform &= (rank, scaling) == (r, pytest.approx(alpha / r))
+    try:
+        check_adapter(adapter.specs(), adapter.config, spec_for(tiny_spec, "sglang"))
+        assert uniform, config
+    except BadAdapter as e:
+        assert not uniform and e.code == "unsupported_module", (config, e.message)
 
 
 @pytest.mark.parametrize("key,module,matches", [
@@ -464,6 +528,18 @@ def test_vllm_serves_per_module_ranks_alphas_and_rslora_as_disk_and_peft(vllm, m
                                            model_dir, workdir)
             assert want != base, case
     assert vllm.alive(), vllm.log_tail()
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(config=feature_mixes(), seed=st.integers(0, 2 ** 16))
+def test_random_feature_mixes_serve_pefts_tokens_on_a_real_vllm(vllm, model_dir, config, seed):
+    """A few random mixes (fixed examples: derandomized) pushed to the real vLLM server: each
+    serves PEFT's greedy tokens."""
+    adapter, want = oracle(model_dir, seed, PROMPT, N_TOKENS, **config)
+    with LoRASyncClient(vllm.url, engine="vllm", api_key=vllm.api_key) as c:
+        [res] = c.push(adapter, "cov-mix", transport="tensors")
+        assert server_greedy(c, res.name, PROMPT, N_TOKENS) == want, config
 
 
 def test_sglang_serves_what_it_reads_and_refuses_what_it_would_serve_wrong(sglang, model_dir,
