@@ -312,12 +312,10 @@ class ModelSpec:
             model = AutoModelForCausalLM.from_config(hf_config)
         linear, vocab, embeddings = {}, {}, set()
         experts = moe.expert_layers(model)
-        # An MoE layer's router: no engine's LoRA path was checked against PEFT's on it.
-        routers = {f"{name.rpartition('.')[0]}.gate" for name in experts}
         for name, m in model.named_modules():
             is_vocab = name.rsplit(".", 1)[-1] in VOCAB_LAYERS
-            if name in routers:
-                continue
+            if moe.block_of(experts, name) is not None:
+                continue  # an MoE block's router and shared experts (lora_sync.moe)
             if isinstance(m, torch.nn.Linear):
                 (vocab if is_vocab else linear)[name] = (m.in_features, m.out_features)
             elif isinstance(m, torch.nn.Embedding) and is_vocab:
@@ -631,9 +629,10 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
         if module.rsplit(".", 1)[-1] in VOCAB_LAYERS:
             _check_vocab_layer(s.name, module, model)
         if model.layer(module) is None:
-            hint = ("; LoRA on routed experts travels per expert, "
+            hint = ("; in an MoE block only the routed experts are served, per expert: "
                     "'<experts>.<e>.gate_proj.lora_A.weight' (LoRAAdapter.from_peft_model "
-                    "converts PEFT's target_parameters)" if ".experts" in module else "")
+                    "converts PEFT's target_parameters), not its router or shared experts"
+                    if moe.block_of(model.experts, module) is not None else "")
             raise BadAdapter(f"tensor {s.name!r}: the base model has no LoRA-able module "
                              f"{module!r}{hint}", code="unknown_module")
         if embedding_form != (module in model.embeddings):

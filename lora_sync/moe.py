@@ -37,6 +37,18 @@ def expert_layers(model) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def block_of(experts: dict[str, tuple[int, int, int]], module: str) -> str | None:
+    """The MoE block (the experts' parent) `module` lies in, None outside every block. In a
+    block only the routed experts are LoRA-able here (expert_layer): neither engine's LoRA
+    path on its router or shared experts (SGLang names them like the routed ones) was
+    checked against PEFT's, so those are refused rather than guessed."""
+    for prefix in experts:
+        block = prefix.rpartition(".")[0]
+        if module.startswith(block + "."):
+            return block
+    return None
+
+
 def expert_layer(experts: dict[str, tuple[int, int, int]], module: str):
     """(fan in, fan out) of '<experts>.<e>.<projection>', None when it is not one; an expert
     index out of range is refused by name."""

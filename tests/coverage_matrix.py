@@ -23,6 +23,7 @@ PREVIOUS_SERVES = "tests/test_coverage.py::test_refused_rows_leave_the_previous_
 SGLANG_CODE = "tests/test_coverage.py::test_sglang_reads_no_config_feature_and_its_coverage_says_so"
 MOE_SERVED = "tests/test_moe_serving.py::test_moe_lora_syncs_as_disk_and_peft_on_each_engine"
 MOE_CHECKED = "tests/test_moe_serving.py::test_expert_adapters_are_checked_against_the_models_experts"
+MOE_SHARED = "tests/test_moe_serving.py::test_a_shared_expert_is_refused_by_name"
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,12 @@ ROWS = (
                              "moe_lora_align_block_size (tests/sgl_kernel_standin)",
                              [MOE_SERVED, MOE_CHECKED], "tensors, shm, broadcast"),
         }),
+    Row("MoE shared experts and router", "LoRA on an MoE block's shared expert "
+        "(Qwen2-MoE `shared_expert`) or its router", both(refused(
+            "unknown_module", "shared experts",
+            "not checked against PEFT's forward on either engine (SGLang names shared experts "
+            "like the routed ones, so they cannot be adapted apart): every linear layer of an "
+            "MoE block other than its routed experts is refused", [MOE_SHARED]))),
     Row("MoE experts, fused 3-D", "PEFT `target_parameters` tensors as PEFT saves them "
         "(lora_A [E*r, in] per fused parameter), sent as they are", both(refused(
             "unsupported_module", "target_parameters",

@@ -113,7 +113,27 @@ def test_expert_adapters_are_checked_against_the_models_experts(moe_dir):
     refused(fused, cfg, "unknown_module", "per expert")
     router = {"base_model.model.model.layers.0.mlp.gate.lora_A.weight": torch.ones(4, 128),
               "base_model.model.model.layers.0.mlp.gate.lora_B.weight": torch.ones(8, 4)}
-    refused(router, {**cfg, "target_modules": ["gate"]}, "unknown_module", "gate")
+    refused(router, cfg, "unknown_module", "router")
+
+
+def test_a_shared_expert_is_refused_by_name():
+    """Qwen2-MoE's shared expert is a plain MLP inside the MoE block: refused (not checked
+    against PEFT on either engine), named as such; the routed experts still fit."""
+    from transformers import Qwen2MoeConfig
+    config = Qwen2MoeConfig(vocab_size=384, hidden_size=128, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=96)
+    spec = ModelSpec.from_hf_config(config, 16)
+    assert spec.experts == {"model.layers.0.mlp.experts": (4, 128, 64)}
+    assert not [m for m in spec.linear if ".mlp." in m]
+    shared = "base_model.model.model.layers.0.mlp.shared_expert.up_proj.lora_{}.weight"
+    adapter = LoRAAdapter({shared.format("A"): torch.ones(4, 128),
+                           shared.format("B"): torch.ones(96, 4)},
+                          {"r": 4, "lora_alpha": 8, "target_modules": ["up_proj"]})
+    with pytest.raises(BadAdapter) as e:
+        check_adapter(adapter.specs(), adapter.config, spec)
+    assert e.value.code == "unknown_module" and "shared experts" in e.value.message
 
 
 # -- real servers ---------------------------------------------------------------------------
