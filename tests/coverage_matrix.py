@@ -149,8 +149,8 @@ ROWS = (
         "top-2)", both(served(
             "needs no expert LoRA; on a CPU the MoE layers run through TEST-ONLY torch "
             "stand-ins (see MoE experts)", [MOE_SERVED]))),
-    Row("MoE experts", "routed-expert LoRA, per expert (`<experts>.<e>.gate_proj|up_proj|"
-        "down_proj.lora_A/B.weight`); PEFT's `target_parameters` converted to it by "
+    Row("MoE experts", "routed-expert LoRA, per expert (`<experts>.<e>.<gate_proj, up_proj or "
+        "down_proj>.lora_A/B.weight`); PEFT's `target_parameters` converted to it by "
         "`LoRAAdapter.from_peft_model`", {
             "vllm": served("vllm/lora/layers/fused_moe.py FusedMoEWithLoRA reads per-expert "
                            "pairs. vLLM 0.32 runs them (and any request on a LoRA-enabled MoE "
