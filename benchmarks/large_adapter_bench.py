@@ -200,13 +200,18 @@ def header_cap(nbytes: int):
 
 def _best(fn, reps: int) -> float:
     """The fastest of `reps` runs (seconds): the step's own cost, without the machine's
-    hiccups."""
+    hiccups, nor a garbage collection of what other code left (the collector is paused)."""
     times = []
-    for _ in range(reps):
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        if was_enabled:
+            gc.enable()
     return min(times)
 
 

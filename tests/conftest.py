@@ -64,21 +64,48 @@ SERVER_ENV = {"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
               "LORA_SYNC_LEASE_TTL_S": "3"}
 
 
-def real_server(engine: str, model_dir, env: dict):
+def real_server(engine: str, model_dir, env: dict, extra_args=()):
     """A real server (not started) of `engine` with lora-sync settings `env`, guarded by the
     session's admin key; skips (fails in CI) where that engine is not installed."""
     if engine == "vllm":
-        server = _vllm(model_dir, env=env)
+        server = _vllm(model_dir, env=env, extra_args=extra_args)
     else:
         if not SGLANG_PYTHON.exists():
             if os.environ.get("CI"):
                 pytest.fail("no .venv-sglang in CI: scripts/install.sh did not install SGLang")
             pytest.skip("no .venv-sglang: run scripts/install.sh")
         from testbed.processes import sglang_server
-        server = sglang_server(model_dir, python=str(SGLANG_PYTHON),
+        server = sglang_server(model_dir, python=str(SGLANG_PYTHON), extra_args=extra_args,
                                env={**env, "PYTHONPATH": SGLANG_TEST_PATH})
     server.api_key = API_KEY
     return server
+
+
+# -- the MoE model's servers: one per engine, shared by the session ---------------------------
+# Each runs the tiny Qwen3-MoE with its engine's TEST-ONLY MoE stand-ins (tests/vllm_moe_
+# standin; tests/sgl_kernel_standin) for test_moe_serving.py, and with its engine's own
+# --api-key (a generation key) beside lora-sync's admin key, for test_attacks.py's key schemes.
+GENERATION_KEY = "generation-key"
+MOE_ENV = {**SERVER_ENV, "LORA_SYNC_MAX_BODY_MB": "16", "LORA_SYNC_MAX_STAGING_MB": "32"}
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    from testbed.tiny_model import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", arch="qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def moe_vllm(moe_dir):
+    env = {**MOE_ENV, "PYTHONPATH": str(REPO / "tests" / "vllm_moe_standin")}
+    with real_server("vllm", moe_dir, env, ("--api-key", GENERATION_KEY)) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moe_sglang(moe_dir):
+    with real_server("sglang", moe_dir, MOE_ENV, ("--api-key", GENERATION_KEY)) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +187,8 @@ def make_fake_server():
 
 # -- which tests need a real server: marker `server` (pytest -m "not server" skips them) ---
 # Fixtures that are, or start, real vLLM/SGLang servers.
-REAL_SERVER_FIXTURES = {"vllm", "sglang", "server", "client", "vllm_second", "vllm_tp2",
+REAL_SERVER_FIXTURES = {"vllm", "sglang", "moe_vllm", "moe_sglang", "server", "client",
+                        "vllm_second", "vllm_tp2",
                         "dp_server", "crashable"}
 # Modules whose tests start servers, torchrun jobs or network namespaces in their bodies.
 REAL_SERVER_MODULES = {"test_benchmark", "test_cli", "test_data_parallel", "test_fleet",

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from lora_sync import LoRASyncClient, http
+from lora_sync import LoRAAdapter, LoRASyncClient, http
 
+from .conftest import GENERATION_KEY
 from .helpers import AUTH, PROMPT, Background, blackhole, greedy, post_body, versions_of
 
 KEEP = 3  # the session servers' LORA_SYNC_KEEP_VERSIONS
@@ -240,61 +241,56 @@ def test_slow_uploads_are_bounded(client, server, make_adapter):
     assert client.push(make_adapter(seed=671), f"slow-{server.engine}", transport="tensors")[0].version == 1
 
 
-def test_key_schemes_on_vllm(model_dir, make_adapter):
-    """Review items 4 and 5, on a server of its own: with vLLM's --api-key G and
-    LORA_SYNC_API_KEY K, K works on every route (it used to be locked out) and G only
+def attention_adapter(moe_dir, seed: int) -> LoRAAdapter:
+    """A LoRA the MoE servers take (their model has no dense MLP)."""
+    from .peft_oracle import peft_model
+    return LoRAAdapter.from_peft_model(peft_model(
+        moe_dir, seed, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+
+def test_key_schemes_on_vllm(moe_vllm, moe_dir):
+    """Review items 4 and 5, on a server with vLLM's --api-key G and LORA_SYNC_API_KEY K
+    (conftest's moe_vllm): K works on every route (it used to be locked out) and G only
     generates. (With G alone the admin routes are closed: lora-sync's own rule, checked with
     the fake engine in test_service_access.py::test_key_schemes_like_vllm.)"""
-    from testbed.processes import vllm_server
     from lora_sync.errors import Unauthorized
-    gen, admin = "generation-key", "admin-key"
-    adapter = make_adapter(seed=691)
-    with vllm_server(model_dir, extra_args=("--api-key", gen), max_loras=1, max_cpu_loras=2,
-                     env={"LORA_SYNC_API_KEY": admin}) as server:
-        with LoRASyncClient(server.url, api_key=admin) as c:
-            assert c.push(adapter, "keys", transport="tensors")[0].version == 1
-            served = c.complete(PROMPT, "keys", 4)
-        with LoRASyncClient(server.url, api_key=gen) as g:
-            assert g.complete(PROMPT, "keys", 4)["text"] == served["text"]
-            with pytest.raises(Unauthorized):
-                g.push(adapter, "keys", transport="tensors")
-        for key in (None, gen):  # /invocations is outside vLLM's guard: checked by admission
-            status, _, _ = http.request(
-                "POST", f"{server.url}/invocations", json_body={"prompt": PROMPT, "max_tokens": 2},
-                headers={"X-Amzn-SageMaker-Adapter-Identifier": "keys",
-                         **({"Authorization": f"Bearer {key}"} if key else {})})
-            assert status == (401 if key is None else 200)
+    server, gen, admin = moe_vllm, GENERATION_KEY, moe_vllm.api_key
+    adapter = attention_adapter(moe_dir, 691)
+    with LoRASyncClient(server.url, api_key=admin) as c:
+        assert c.push(adapter, "keys", transport="tensors")[0].version == 1
+        served = c.complete(PROMPT, "keys", 4)
+    with LoRASyncClient(server.url, api_key=gen) as g:
+        assert g.complete(PROMPT, "keys", 4)["text"] == served["text"]
+        with pytest.raises(Unauthorized):
+            g.push(adapter, "keys", transport="tensors")
+    for key in (None, gen):  # /invocations is outside vLLM's guard: checked by admission
+        status, _, _ = http.request(
+            "POST", f"{server.url}/invocations", json_body={"prompt": PROMPT, "max_tokens": 2},
+            headers={"X-Amzn-SageMaker-Adapter-Identifier": "keys",
+                     **({"Authorization": f"Bearer {key}"} if key else {})})
+        assert status == (401 if key is None else 200)
 
 
-def test_key_schemes_on_sglang(model_dir, make_adapter):
-    """Review items 4 and 5 on SGLang, on a server of its own: with --api-key G and
-    LORA_SYNC_API_KEY K (our launcher makes K SGLang's --admin-api-key) K pushes, G generates
-    and is refused on admin routes, ours and SGLang's. (G alone: see test_key_schemes_on_vllm.)"""
+def test_key_schemes_on_sglang(moe_sglang, moe_dir):
+    """Review items 4 and 5 on SGLang, on a server with --api-key G and LORA_SYNC_API_KEY K
+    (conftest's moe_sglang; our launcher makes K SGLang's --admin-api-key): K pushes, G
+    generates and is refused on admin routes, ours and SGLang's. (G alone: see
+    test_key_schemes_on_vllm.)"""
     from lora_sync.errors import Unauthorized
-    from testbed.processes import sglang_server
-
-    from .conftest import SGLANG_PYTHON, SGLANG_TEST_PATH
-    if not SGLANG_PYTHON.exists():
-        pytest.skip("no .venv-sglang: run scripts/install.sh")
-    gen, admin = "generation-key", "admin-key"
-    adapter = make_adapter(seed=695)
-
-    def server(**env):
-        return sglang_server(model_dir, python=str(SGLANG_PYTHON), extra_args=("--api-key", gen),
-                             env={"PYTHONPATH": SGLANG_TEST_PATH, **env})
-    with server(LORA_SYNC_API_KEY=admin) as s:
-        status, _, _ = http.request(  # SGLang's own adapter route: not for G either
-            "POST", f"{s.url}/unload_lora_adapter", json_body={"lora_name": "x"},
-            headers={"Authorization": f"Bearer {gen}"})
-        assert status in (401, 403)
-        with LoRASyncClient(s.url, engine="sglang", api_key=admin) as c:
-            assert c.push(adapter, "keys", transport="tensors")[0].version == 1
-        with LoRASyncClient(s.url, engine="sglang", api_key=gen) as g:
-            served = g.complete(PROMPT, "keys", 4)
-            assert served["version"] == 1
-            with pytest.raises(Unauthorized):
-                g.push(adapter, "keys", transport="tensors")
-        with LoRASyncClient(s.url, engine="sglang") as anonymous:
-            with pytest.raises(Unauthorized):
-                anonymous.complete(PROMPT, "keys", 4)
-        assert s.alive()
+    s, gen, admin = moe_sglang, GENERATION_KEY, moe_sglang.api_key
+    adapter = attention_adapter(moe_dir, 695)
+    status, _, _ = http.request(  # SGLang's own adapter route: not for G either
+        "POST", f"{s.url}/unload_lora_adapter", json_body={"lora_name": "x"},
+        headers={"Authorization": f"Bearer {gen}"})
+    assert status in (401, 403)
+    with LoRASyncClient(s.url, engine="sglang", api_key=admin) as c:
+        assert c.push(adapter, "keys", transport="tensors")[0].version == 1
+    with LoRASyncClient(s.url, engine="sglang", api_key=gen) as g:
+        served = g.complete(PROMPT, "keys", 4)
+        assert served["version"] == 1
+        with pytest.raises(Unauthorized):
+            g.push(adapter, "keys", transport="tensors")
+    with LoRASyncClient(s.url, engine="sglang") as anonymous:
+        with pytest.raises(Unauthorized):
+            anonymous.complete(PROMPT, "keys", 4)
+    assert s.alive()

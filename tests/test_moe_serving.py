@@ -18,11 +18,10 @@ import torch
 from lora_sync import LoRAAdapter, LoRASyncClient
 from lora_sync.adapter import ModelSpec, check_adapter
 from lora_sync.errors import BadAdapter
-from lora_sync.moe import per_expert
 
-from .conftest import REPO, SERVER_ENV, real_server
+from .conftest import GENERATION_KEY
 from .helpers import PROMPT, disk_model
-from .peft_oracle import peft_greedy, server_greedy
+from .peft_oracle import peft_greedy, peft_model, server_greedy
 
 N_TOKENS = 8
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -34,25 +33,8 @@ CASES = {"attention": (dict(r=8, lora_alpha=16, target_modules=ATTENTION), ("ten
                                    ("tensors", "shm", "broadcast"))}
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    from testbed.tiny_model import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", arch="qwen3_moe")
-
-
-def moe_peft(model_dir, seed: int, **lora_config):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from testbed.tiny_model import randomize_lora
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **lora_config))
-    randomize_lora(model, seed)
-    return model.eval()
-
-
 def oracle(model_dir, seed, **lora_config):
-    model = moe_peft(model_dir, seed, **lora_config)
+    model = peft_model(model_dir, seed, **lora_config)
     return LoRAAdapter.from_peft_model(model), peft_greedy(model, model_dir, PROMPT, N_TOKENS)
 
 
@@ -63,7 +45,7 @@ def test_per_expert_form_computes_what_peft_computes(moe_dir):
     the per-expert form back as the same adapter (its transformers-5 conversion)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    model = moe_peft(moe_dir, 5, **CASES["experts and attention"][0])
+    model = peft_model(moe_dir, 5, **CASES["experts and attention"][0])
     adapter = LoRAAdapter.from_peft_model(model)
     scale = 8 / 4
     experts = model.base_model.model.model.layers[0].mlp.experts
@@ -136,20 +118,17 @@ def test_a_shared_expert_is_refused_by_name():
     assert e.value.code == "unknown_module" and "shared experts" in e.value.message
 
 
-# -- real servers ---------------------------------------------------------------------------
-STANDIN = {"vllm": {"PYTHONPATH": str(REPO / "tests" / "vllm_moe_standin")}, "sglang": {}}
-
-
+# -- real servers (conftest's moe_vllm / moe_sglang) ------------------------------------------
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_moe_lora_syncs_as_disk_and_peft_on_each_engine(engine, moe_dir, tmp_path):
-    """One MoE server per engine (with its stand-ins): each case pushed by each of its
+def test_moe_lora_syncs_as_disk_and_peft_on_each_engine(request, engine, moe_dir, tmp_path):
+    """On each engine's MoE server (with its stand-ins): each case pushed by each of its
     transports serves PEFT's tokens, as the engine's own disk route does, and differs from
-    the base model's."""
-    server = real_server(engine, moe_dir, {**SERVER_ENV, "LORA_SYNC_MAX_BODY_MB": "16",
-                                           "LORA_SYNC_MAX_STAGING_MB": "32",
-                                           **STANDIN[engine]})
-    with server, LoRASyncClient(server.url, engine=engine, api_key=server.api_key) as c:
-        base = server_greedy(c, "base", PROMPT, N_TOKENS)
+    the base model's. Pushes with the admin key, completions with the generation key (the
+    server runs with both: conftest)."""
+    server = request.getfixturevalue(f"moe_{engine}")
+    with LoRASyncClient(server.url, engine=engine, api_key=server.api_key) as c, \
+            LoRASyncClient(server.url, engine=engine, api_key=GENERATION_KEY) as reader:
+        base = server_greedy(reader, "base", PROMPT, N_TOKENS)
         for i, (case, (config, transports)) in enumerate(CASES.items()):
             adapter, want = oracle(moe_dir, 60 + i, **config)
             assert want != base, case
@@ -163,9 +142,10 @@ def test_moe_lora_syncs_as_disk_and_peft_on_each_engine(engine, moe_dir, tmp_pat
                         c.destroy_group()
                 else:
                     [res] = c.push(adapter, name, transport=transport)
-                assert server_greedy(c, res.name, PROMPT, N_TOKENS) == want, (case, transport)
+                assert server_greedy(reader, res.name, PROMPT, N_TOKENS) == want, \
+                    (case, transport)
             disk = f"moe-disk-{i}-{time.monotonic_ns() % 10 ** 9}"
             adapter.save(tmp_path / disk)
             c.load_from_disk(str(tmp_path / disk), disk)
-            assert server_greedy(c, disk_model(c, disk), PROMPT, N_TOKENS) == want, case
+            assert server_greedy(reader, disk_model(c, disk), PROMPT, N_TOKENS) == want, case
         assert server.alive(), server.log_tail()
