@@ -18,15 +18,33 @@ trainer's step leaves one), each transport under its own name:
 
 and the raw floors of the same bytes: a memcpy, and a gloo broadcast to K peer processes.
 It prints the curve (median [min-max] ms per K), each transport's ratio push(K)/push(1) and
-its cost per server beyond the first, and writes runs/fleet/results.json."""
+its cost per server beyond the first, and writes runs/fleet/results.json.
+
+`--engine vllm` checks the fake curve against real engines (issue #46: up to 3 real servers
+where memory allows):
+
+    flock /tmp/lora-sync-server.lock .venv/bin/python -m benchmarks.fleet_bench --engine vllm \
+        --sizes 1 2 3 --reps 5
+
+starts K real vLLM CPU servers (testbed/processes.vllm_server, lora-sync's launcher, bf16,
+--enforce-eager) on a model of Qwen2.5-0.5B's shapes (random weights, testbed/tiny_model,
+built once in MODELS: so the real servers take the very adapter the fake ones take, same
+bytes), next to K fake-engine servers with the same lora-sync settings (fleet_server.ENV).
+Each round pushes every transport to both fleets of K, the engines' order alternating per
+round, so both curves see the same machine. It prints both curves, each transport's
+push(K)/push(1) and per-server cost for both, the server-side phases, and writes
+runs/fleet_vllm/results.json. Every server is stopped on the way out (SIGTERM included)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,11 +54,22 @@ from lora_sync import LoRAAdapter, LoRASyncClient
 from lora_sync.collective import free_port
 
 from . import limits
-from .fleet_server import API_KEY, qwen_spec
+from .fleet_server import API_KEY, ENV, qwen_spec
 
 TRANSPORTS = ("tensors", "shm", "shared", "broadcast")
+ENGINES = ("fake", "vllm")
 GOALS = {"shared": (4, 1.3), "broadcast": (8, 1.3)}  # issue #46: push(K)/push(1) at most
 REPO = Path(__file__).resolve().parents[1]
+MODELS = Path(tempfile.gettempdir()) / "lora-sync-bench-models"  # as the other benchmarks
+# Resident memory one real vLLM CPU server of the Qwen2.5-0.5B-shaped model takes (bf16
+# weights 1 GB, KV cache 1 GB, API and engine-core processes: 4.1 GiB once started, on
+# vLLM 0.32), with margin for the adapters it then holds; the fleet is refused where
+# MemAvailable cannot hold K of them.
+REAL_SERVER_BYTES = 5 << 30
+# Server-side phases the report shows (per server, from each push's reply timings_ms).
+# intake: the body's (broadcast: the collective's) arrival; receive: the worker's copy or
+# map; register: the engine's own (vLLM: add_lora).
+PHASES = ("server", "intake", "receive", "build", "register")
 
 _GLOO_PEERS = r"""
 import sys, torch
@@ -98,6 +127,62 @@ class Fleet:
                 proc.kill()
 
 
+def qwen_model_dir() -> Path:
+    """A Llama of Qwen2.5-0.5B's shapes, random weights, bf16 (built once, about 1 GB): the
+    model whose LoRA the fake servers accept (fleet_server.qwen_spec)."""
+    from testbed.tiny_model import QWEN_05B_SHAPES, build_tiny_model
+    return build_tiny_model(MODELS / "qwen05b-shapes-bf16", dtype="bfloat16", **QWEN_05B_SHAPES)
+
+
+def mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def fits_in_memory(n: int, available: int, per_server: int = REAL_SERVER_BYTES) -> bool:
+    return n * per_server <= available
+
+
+class RealFleet:
+    """`n` real vLLM CPU servers with lora-sync (the fake fleet's settings and admin key),
+    started one after another (2 cores: a start is CPU-bound whatever the order). Every
+    server made is stopped by `close`, also when a later one fails to start."""
+
+    def __init__(self, n: int, max_rank: int, model_dir: Path, start_timeout: float = 900):
+        from testbed.processes import vllm_server
+        self.servers, self.start_s = [], []
+        try:
+            for _ in range(n):
+                # eager: torch.compile of 24 layers per server would take minutes on 2
+                # cores; the forward is not what is measured
+                server = vllm_server(model_dir, max_lora_rank=max_rank, max_loras=1,
+                                     max_cpu_loras=4, dtype="bfloat16", env=dict(ENV),
+                                     extra_args=["--enforce-eager"])
+                server.start_timeout = start_timeout
+                self.servers.append(server)
+                t0 = time.perf_counter()
+                server.start()
+                self.start_s.append(time.perf_counter() - t0)
+                print(f"  vllm server {len(self.servers)}/{n} up in {self.start_s[-1]:.0f} s "
+                      f"({server.rss_bytes() / 2**30:.1f} GiB)", flush=True)
+        except BaseException:
+            self.close()
+            raise
+        self.urls = [s.url for s in self.servers]
+
+    def rss_bytes(self) -> list[int]:
+        return [s.rss_bytes() for s in self.servers]
+
+    def close(self):
+        for server in self.servers:
+            try:
+                server.stop()
+            except Exception as e:  # noqa: BLE001 - stop the others all the same
+                print(f"stopping {server.url}: {e!r}", file=sys.stderr)
+
+
 def gloo_floor_s(peers: int, nbytes: int, reps: int, idle_s: float) -> list[float]:
     """A raw gloo broadcast of `nbytes` (in the transport's buckets) to `peers` processes."""
     port = free_port()
@@ -122,110 +207,262 @@ def gloo_floor_s(peers: int, nbytes: int, reps: int, idle_s: float) -> list[floa
             p.wait(timeout=120)
 
 
-def bench_size(urls: list[str], a: LoRAAdapter, reps: int, warmup: int, idle_s: float,
-               transports) -> dict[str, list[dict]]:
-    out = {t: [] for t in transports}
-    with LoRASyncClient(urls, api_key=API_KEY, timeout=120) as c:
-        if "broadcast" in transports:
-            c.init_group(timeout_s=120)
-        try:
-            for rnd in range(warmup + reps):
-                for t in transports:
+def engine_order(rnd: int, engines) -> list[str]:
+    """The engines in round `rnd`'s order: rotated each round, so neither fleet always
+    pushes right after the other."""
+    engines = list(engines)
+    i = rnd % len(engines) if engines else 0
+    return engines[i:] + engines[:i]
+
+
+def bench_rounds(fleets: dict[str, list[str]], a: LoRAAdapter, reps: int, warmup: int,
+                 idle_s: float, transports) -> dict[str, dict[str, list[dict]]]:
+    """`warmup + reps` rounds; each pushes `a` with every transport in turn, to every fleet
+    (engine -> its servers' URLs) in `engine_order`. -> engine -> transport -> samples."""
+    out = {e: {t: [] for t in transports} for e in fleets}
+    with contextlib.ExitStack() as stack:
+        clients = {e: stack.enter_context(LoRASyncClient(urls, api_key=API_KEY, timeout=120))
+                   for e, urls in fleets.items()}
+        for c in clients.values():
+            stack.callback(_retire_all, c, transports)
+            if "broadcast" in transports:
+                c.init_group(timeout_s=120)
+        for rnd in range(warmup + reps):
+            for t in transports:
+                for e in engine_order(rnd, fleets):
                     time.sleep(idle_s)
                     t0 = time.perf_counter()
-                    results = c.push(a, f"fleet-{t}", transport=t)
+                    results = clients[e].push(a, f"fleet-{t}", transport=t)
                     seconds = time.perf_counter() - t0
-                    assert all(r.ok and r.transport == t for r in results), results
+                    assert all(r.ok and r.transport == t for r in results), (e, results)
                     if rnd >= warmup:
-                        out[t].append({"s": seconds, "timings_ms": [r.reply.get("timings_ms", {})
-                                                                     for r in results]})
-        finally:
-            for t in transports:
-                try:
-                    c.retire(f"fleet-{t}")
-                except Exception:  # noqa: BLE001 - never pushed
-                    pass
+                        out[e][t].append({"s": seconds, "timings_ms": [
+                            r.reply.get("timings_ms", {}) for r in results]})
     return out
+
+
+def _retire_all(c: LoRASyncClient, transports) -> None:
+    for t in transports:
+        try:
+            c.retire(f"fleet-{t}")
+        except Exception:  # noqa: BLE001 - never pushed
+            pass
+
+
+def bench_size(urls: list[str], a: LoRAAdapter, reps: int, warmup: int, idle_s: float,
+               transports) -> dict[str, list[dict]]:
+    return bench_rounds({"fake": urls}, a, reps, warmup, idle_s, transports)["fake"]
 
 
 def _stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def curve_of(samples: dict, sizes, transports) -> dict:
+    """size -> transport -> samples  =>  transport -> size -> stats (ms)."""
+    return {t: {k: _stats([x["s"] * 1e3 for x in samples[k][t]]) for k in sizes}
+            for t in transports}
+
+
+def phases_of(samples: dict, sizes, transports) -> dict:
+    """transport -> size -> phase -> median ms over every server of every round."""
+    out = {}
+    for t in transports:
+        for k in sizes:
+            per = {}
+            for x in samples[k][t]:
+                for timings in x["timings_ms"]:
+                    for phase in PHASES:
+                        if phase in timings:
+                            per.setdefault(phase, []).append(timings[phase])
+            out.setdefault(t, {})[k] = {p: statistics.median(v) for p, v in per.items()}
+    return out
+
+
+def per_extra_server(row: dict, sizes) -> float:
+    k0, kn = sizes[0], sizes[-1]
+    return (row[kn]["median"] - row[k0]["median"]) / (kn - k0) if kn > k0 else 0.0
+
+
+def ratios(row: dict, sizes) -> dict:
+    return {k: row[k]["median"] / row[sizes[0]]["median"] for k in sizes[1:]}
+
+
+def _exit_on_sigterm(*_):
+    raise SystemExit(143)  # unwinds through every `finally`: the servers are stopped
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--engine", choices=ENGINES, default="fake",
+                   help="vllm: K real vLLM CPU servers beside K fake ones, same adapter")
+    p.add_argument("--sizes", type=int, nargs="+",
+                   help="fleet sizes (default 1 2 4 8; with --engine vllm, 1 2 3)")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--idle", type=float, default=0.6, help="seconds before each push")
     p.add_argument("--transports", nargs="+", default=list(TRANSPORTS))
+    p.add_argument("--model-dir", help="--engine vllm: a model of Qwen2.5-0.5B's linear "
+                   "shapes (default: built once in " + str(MODELS) + ")")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(REPO / "runs" / "fleet"))
+    p.add_argument("--out", help="default runs/fleet, or runs/fleet_vllm with --engine vllm")
     args = p.parse_args(argv)
+    real = args.engine != "fake"
+    args.sizes = sorted(set(args.sizes or ([1, 2, 3] if real else [1, 2, 4, 8])))
     if args.quick:
         args.sizes, args.rank, args.reps, args.warmup = [1, 2], 8, 3, 1
+    args.out = args.out or str(REPO / "runs" / ("fleet_vllm" if real else "fleet"))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(1)
     a = adapter(args.rank)
     nbytes = a.nbytes
-    load0 = os.getloadavg()
     t_start = time.time()
-    fleet = Fleet(max(args.sizes), args.rank)
+    n = max(args.sizes)
+    extra = {}
+    if real:
+        model_dir = Path(args.model_dir) if args.model_dir else qwen_model_dir()
+        available = mem_available()
+        if not fits_in_memory(n, available):
+            p.error(f"{n} vLLM servers need about {n * REAL_SERVER_BYTES / 2**30:.0f} GiB; "
+                    f"{available / 2**30:.1f} GiB available")
+        extra = {"engine": args.engine, "model": str(model_dir),
+                 "mem_available_before": available}
     samples = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        fleet = Fleet(n, args.rank)
+        stack.callback(fleet.close)
+        fleets = {"fake": fleet.urls}
+        if real:
+            print(f"starting {n} vLLM server(s) on {model_dir}", flush=True)
+            real_fleet = RealFleet(n, args.rank, model_dir)
+            stack.callback(real_fleet.close)
+            fleets[args.engine] = real_fleet.urls
+            extra["start_s"] = real_fleet.start_s
+            extra["rss_bytes"] = real_fleet.rss_bytes()
+        load0 = os.getloadavg()  # after the starts: what the rounds begin on
         for k in args.sizes:
-            samples[k] = bench_size(fleet.urls[:k], a, args.reps, args.warmup, args.idle,
-                                    args.transports)
+            got = bench_rounds({e: urls[:k] for e, urls in fleets.items()}, a, args.reps,
+                               args.warmup, args.idle, args.transports)
+            for e, by_t in got.items():
+                samples.setdefault(e, {})[k] = by_t
             print(f"  {k} server(s) done", flush=True)
-    finally:
-        fleet.close()
+        if real:
+            extra["rss_bytes_after"] = real_fleet.rss_bytes()
     floors = {"memcpy": _stats([s * 1e3 for s in limits.memcpy_s(nbytes, args.reps)])}
     for k in args.sizes:
         floors[f"gloo_{k}"] = _stats([s * 1e3 for s in gloo_floor_s(k, nbytes, args.reps,
                                                                       args.idle)])
     load1 = os.getloadavg()
-    curve = {t: {k: _stats([s["s"] * 1e3 for s in samples[k][t]]) for k in args.sizes}
-             for t in args.transports}
+    curves = {e: curve_of(by_k, args.sizes, args.transports) for e, by_k in samples.items()}
     result = {"rank": args.rank, "bytes": nbytes, "sizes": args.sizes, "reps": args.reps,
-              "idle_s": args.idle, "curve": curve, "floors": floors,
-              "load_before": load0, "load_after": load1, "cpus": os.cpu_count(),
-              "seconds": time.time() - t_start, "samples": {
-                  str(k): v for k, v in samples.items()}}
+              "warmup": args.warmup, "idle_s": args.idle, "curve": curves["fake"],
+              "floors": floors, "load_before": load0, "load_after": load1,
+              "cpus": os.cpu_count(), "seconds": time.time() - t_start, **extra}
+    if real:
+        result["curves"] = curves
+        result["phases"] = {e: phases_of(by_k, args.sizes, args.transports)
+                            for e, by_k in samples.items()}
+        result["samples"] = {e: {str(k): v for k, v in by_k.items()}
+                             for e, by_k in samples.items()}
+    else:
+        result["samples"] = {str(k): v for k, v in samples["fake"].items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    print(report(result))
+    text = report(result)
+    (out / "table.txt").write_text(text + "\n")
+    print(text)
     return 0
 
 
+def _cells(row: dict, sizes) -> list[str]:
+    return [f"{row[k]['median']:.1f} [{row[k]['min']:.1f}-{row[k]['max']:.1f}]" for k in sizes]
+
+
+def _ratio_text(row: dict, sizes) -> str:
+    return ", ".join(f"{k}: {r:.2f}x" for k, r in ratios(row, sizes).items())
+
+
+def _floor_lines(result: dict) -> list[str]:
+    fl, sizes = result["floors"], result["sizes"]
+    return [f"| floor: memcpy | {fl['memcpy']['median']:.1f} (one copy, any K) |",
+            "| floor: raw gloo broadcast | " + " | ".join(
+                f"{fl[f'gloo_{k}']['median']:.1f}" for k in sizes) + " |"]
+
+
+def _header(result: dict) -> str:
+    return (f"push cost (ms, median [min-max] of {result['reps']}) against servers, rank "
+            f"{result['rank']} ({result['bytes'] / 1e6:.1f} MB); load "
+            f"{result['load_before'][0]:.2f} -> {result['load_after'][0]:.2f} on "
+            f"{result['cpus']} cpus")
+
+
 def report(result: dict) -> str:
+    if "curves" in result:
+        return report_compare(result)
     sizes, curve = result["sizes"], result["curve"]
-    lines = [f"push cost (ms, median [min-max] of {result['reps']}) against servers, rank "
-             f"{result['rank']} ({result['bytes'] / 1e6:.1f} MB); load "
-             f"{result['load_before'][0]:.2f} -> {result['load_after'][0]:.2f} on "
-             f"{result['cpus']} cpus",
+    lines = [_header(result),
              "| transport | " + " | ".join(f"{k}" for k in sizes) +
              " | per extra server | push(K)/push(1) |",
              "|---|" + "---|" * len(sizes) + "---|---|"]
     k0 = sizes[0]
     for t, row in curve.items():
-        cells = [f"{row[k]['median']:.1f} [{row[k]['min']:.1f}-{row[k]['max']:.1f}]"
-                 for k in sizes]
-        kn = sizes[-1]
-        per = (row[kn]["median"] - row[k0]["median"]) / (kn - k0) if kn > k0 else 0.0
-        ratios = ", ".join(f"{k}: {row[k]['median'] / row[k0]['median']:.2f}x"
-                           for k in sizes[1:])
-        lines.append(f"| {t} | " + " | ".join(cells) + f" | {per:.1f} | {ratios} |")
-    fl = result["floors"]
-    lines.append(f"| floor: memcpy | {fl['memcpy']['median']:.1f} (one copy, any K) |")
-    lines.append("| floor: raw gloo broadcast | " + " | ".join(
-        f"{fl[f'gloo_{k}']['median']:.1f}" for k in sizes) + " |")
+        lines.append(f"| {t} | " + " | ".join(_cells(row, sizes)) +
+                     f" | {per_extra_server(row, sizes):.1f} | {_ratio_text(row, sizes)} |")
+    lines += _floor_lines(result)
     for t, (k, goal) in GOALS.items():
         if t in curve and k in curve[t] and k0 in curve[t]:
             r = curve[t][k]["median"] / curve[t][k0]["median"]
             lines.append(f"goal {t}: push({k})/push({k0}) = {r:.2f} (goal <= {goal}): "
                          f"{'met' if r <= goal else 'missed'}")
+    return "\n".join(lines)
+
+
+def report_compare(result: dict) -> str:
+    """Both curves, row by row (fake, then real, per transport), then what the fake curve
+    predicts of the real one: ratio and per-server cost side by side, and the server-side
+    phases that make the difference."""
+    sizes, curves = result["sizes"], result["curves"]
+    engines = list(curves)
+    real = [e for e in engines if e != "fake"]
+    lines = [_header(result) + f"; fake-engine vs {', '.join(real)} servers, same adapter",
+             "| transport | engine | " + " | ".join(f"{k}" for k in sizes) +
+             " | per extra server | push(K)/push(1) |",
+             "|---|---|" + "---|" * len(sizes) + "---|---|"]
+    transports = list(curves["fake"])
+    for t in transports:
+        for e in engines:
+            row = curves[e][t]
+            lines.append(f"| {t} | {e} | " + " | ".join(_cells(row, sizes)) +
+                         f" | {per_extra_server(row, sizes):.1f} | {_ratio_text(row, sizes)} |")
+    lines += _floor_lines(result)
+    kn = sizes[-1]
+    for e in real:
+        lines.append(f"fake vs {e}: push({kn})/push({sizes[0]}) and per extra server (ms); "
+                     f"{e} - fake at K={sizes[0]} (the engine's fixed cost)")
+        for t in transports:
+            f, r = curves["fake"][t], curves[e][t]
+            lines.append(
+                f"  {t:9s} ratio {ratios(f, sizes).get(kn, 1.0):.2f}x vs "
+                f"{ratios(r, sizes).get(kn, 1.0):.2f}x; per server "
+                f"{per_extra_server(f, sizes):+.1f} vs {per_extra_server(r, sizes):+.1f}; "
+                f"fixed {r[sizes[0]]['median'] - f[sizes[0]]['median']:+.1f}")
+    phases = result.get("phases")
+    if phases:
+        ends = [sizes[0], kn] if kn != sizes[0] else [kn]
+        lines.append("server-side phases (median ms per server, K=" +
+                     " / K=".join(map(str, ends)) + "): " + ", ".join(PHASES))
+        for t in transports:
+            for e in engines:
+                cells = ["/".join(f"{phases[e][t][k].get(ph, float('nan')):.1f}"
+                                  for k in ends) for ph in PHASES]
+                lines.append(f"  {t:9s} {e:5s} " + "  ".join(cells))
+    if "rss_bytes" in result:
+        lines.append("real servers: started in " + ", ".join(
+            f"{x:.0f}" for x in result.get("start_s", [])) + " s; RSS " + ", ".join(
+            f"{b / 2**30:.1f}" for b in result["rss_bytes"]) + " GiB each")
     return "\n".join(lines)
 
 
