@@ -66,6 +66,12 @@ and at interpreter exit for a bed never closed) kills the processes popen starte
 anything else still in the bed's namespaces, then deletes the veths (an end takes its peer
 with it), the bridge and the namespaces.
 
+Shaping: `shape(host, rate="1gbit")` gives `host`'s link a rate, as a NIC of that speed on a
+switch: a tbf (token bucket) root qdisc on each veth end, `veth0` in the namespace (what the
+host sends: its uplink) and the bridge-side end (what the bridge delivers to it: its
+downlink). Unshaped links run at memory speed. close() needs nothing more: deleting a veth
+deletes the qdiscs of both its ends. Needs `tc` (iproute2, like `ip`).
+
 Needs: root, `ip` from iproute2 (Debian package iproute2), and a kernel with network
 namespaces, veth and bridge. `available()` probes exactly that (makes a namespace, a bridge
 and a veth into the namespace, runs `ip netns exec`); tests skip with its reason otherwise.
@@ -107,6 +113,28 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and p.returncode != 0:
         raise NetnsError(f"ip {' '.join(args)}: {p.stderr.strip() or p.returncode}")
     return p
+
+
+def _tc(*args: str) -> subprocess.CompletedProcess:
+    """Runs `tc ARGS` (bounded); raises NetnsError with tc's message on failure."""
+    p = subprocess.run(["tc", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+    if p.returncode != 0:
+        raise NetnsError(f"tc {' '.join(args)}: {p.stderr.strip() or p.returncode}")
+    return p
+
+
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
+
+
+def rate_bits(rate: str) -> float:
+    """A tc rate in bit units ("1gbit", "100mbit", "2.5gbit"; SI: 1kbit = 1000 bit) in bits
+    per second. tc's byte units ("mbps" = megabytes) and bare numbers (bytes) are refused."""
+    m = _RATE_RE.match(rate.strip().lower())
+    if not m:
+        raise ValueError(f"rate must be a number and one of bit, kbit, mbit, gbit, tbit; "
+                         f"got {rate!r}")
+    return float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9,
+                                "tbit": 1e12}[m.group(2)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -401,6 +429,22 @@ class HostNet:
         self._wait_forwarding(host)
         for h in self.hosts:
             _ip("-n", self.ns(h), "neigh", "flush", "dev", IFNAME, check=False)
+
+    def shape(self, host: str, rate: str = "1gbit", burst: str | None = None,
+              latency: str = "20ms") -> list[str]:
+        """Limits `host`'s link to `rate` each way (tc's units: "1gbit", "100mbit"), a tbf
+        qdisc on both veth ends (see "Shaping"); again on a host replaces its shaping.
+        `burst`: the bucket, by default 2 ms at `rate` and at least 64 KiB (a TSO segment
+        passes whole); `latency`: the longest a packet may queue before tbf drops it (TCP
+        backs off, as on a full switch port). Returns `tc qdisc show` of both ends."""
+        bits = rate_bits(rate)
+        burst = burst or str(max(64 * 1024, int(bits / 8 * 0.002)))
+        tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
+        ends = ((["-n", self.ns(host)], IFNAME), ([], self.link(host)))
+        for netns_arg, dev in ends:
+            _tc(*netns_arg, "qdisc", "replace", "dev", dev, *tbf)
+        return [_tc(*netns_arg, "qdisc", "show", "dev", dev).stdout.strip()
+                for netns_arg, dev in ends]
 
     def is_up(self, host: str) -> bool:
         """Whether `host`'s veth pair carries traffic (both ends up)."""
