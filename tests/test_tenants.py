@@ -752,7 +752,9 @@ def test_the_shared_server_fuzz(shared, adapters):
 
 
 # -- real engines: two tenants and the operator on one server ----------------------------------
-@pytest.fixture(scope="module", params=["vllm", "sglang"])
+# SGLang's is extended (CI time): tenancy is lora-sync's own admission and service, the same
+# on both engines; vLLM's real server proves it against a real engine at every push.
+@pytest.fixture(scope="module", params=["vllm", pytest.param("sglang", marks=pytest.mark.extended)])
 def tenant_server(request, model_dir, tmp_path_factory):
     """A real server of its own with a tenants file (the session's shared servers have
     none), stopped at the end of this module's tests on it."""
