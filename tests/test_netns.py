@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .netns import IFNAME, SUBNET, HostNet, available, cleanup_stale, leftovers
+from .netns import IFNAME, SUBNET, HostNet, available, cleanup_stale, leftovers, rate_bits
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -230,6 +230,23 @@ def test_cut_sides(net):
         assert client(net, "trainer", net.addr("srv2"), 7000).startswith("REPLY pong srv2")
     for s in servers:
         assert s.proc.wait(timeout=30) == 0
+
+
+def test_shape_puts_a_token_bucket_on_both_ends_of_a_link(net):
+    """HostNet.shape (the multi-host benchmark's links): a tbf of the given rate on the
+    host's own veth0 (its uplink) and on the bridge-side end (its downlink), replaced when
+    shaped again; the link still carries traffic. A rate in byte units is refused."""
+    for rate, shown in (("100mbit", "100Mbit"), ("1gbit", "1Gbit")):
+        inside, bridge_side = net.shape("srv1", rate=rate)
+        for qdisc in (inside, bridge_side):
+            assert qdisc.startswith("qdisc tbf") and f"rate {shown}" in qdisc, qdisc
+            assert qdisc.count("qdisc") == 1, qdisc  # replaced, not stacked
+    server = start(net, "srv1", ECHO_SERVER, "0.0.0.0", 7000, 1, "srv1")
+    assert server.next_json(60) == {"listening": True}
+    assert client(net, "trainer", net.addr("srv1"), 7000).startswith("REPLY pong srv1")
+    assert server.proc.wait(timeout=30) == 0
+    with pytest.raises(ValueError, match="bit"):
+        rate_bits("10mbps")
 
 
 def test_http_server_on_host_address_reachable_from_trainer(net, tmp_path):
