@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from lora_sync import BadAdapter, LoRASyncClient, Server, http
+from lora_sync import BadAdapter, LoRAAdapter, LoRASyncClient, Server, http
 
 from .helpers import AUTH, disk_model, greedy
 
@@ -39,16 +39,25 @@ def test_ten_versions_in_one_group_follow_the_weights(client, make_adapter):
     assert all(outputs[v] == outputs[1 if v % 2 else 2] for v in outputs)
 
 
-def test_two_servers_one_group(vllm, vllm_second, make_adapter):
-    adapter = make_adapter(seed=71)
-    with LoRASyncClient([vllm.url, vllm_second.url], api_key=vllm.api_key) as c:
+def test_two_servers_one_group(vllm, moe_vllm, moe_dir):
+    """One group of the trainer and two real vLLM servers (the session's, and the MoE model's:
+    a second server that runs anyway; their attention layers have the same shapes): each
+    server serves the broadcast version as it serves the same adapter pushed by tensors,
+    and not as its base model."""
+    from .peft_oracle import peft_model
+    adapter = LoRAAdapter.from_peft_model(peft_model(
+        moe_dir, 71, r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with LoRASyncClient([vllm.url, moe_vllm.url], api_key=vllm.api_key) as c:
         group = c.init_group()
         assert group.world_size == 3  # trainer + one worker per server
         results = c.broadcast(adapter, "two")
         assert [r.name for r in results] == ["two-v1", "two-v1"]
-        assert greedy(c, "two") == c.complete("the quick brown", "two", 12, server=1)["text"]
-        assert greedy(c, "two") != greedy(c, "base")
         c.destroy_group()
+        c.push(adapter, "two-by-http", transport="tensors")
+        for i in (0, 1):
+            text = {m: c.complete("the quick brown", m, 12, server=i)["text"]
+                    for m in ("two", "two-by-http", "base")}
+            assert text["two"] == text["two-by-http"] != text["base"], (i, text)
 
 
 def test_bad_metadata_refused_before_any_collective(client, make_adapter, model_dir):

@@ -19,8 +19,10 @@ from .helpers import body_of, post_body
 REPLICAS = 2
 
 
-# SGLang data parallel is extended (CI time): vLLM proves the same replica rule at every push.
-@pytest.fixture(scope="module", params=["vllm", pytest.param("sglang", marks=pytest.mark.extended)])
+# Extended (CI time): a data-parallel server takes the longest to start of all. The replica
+# rule's logic is tested in process (test_service_broadcast.py's data-parallel test).
+@pytest.fixture(scope="module", params=[pytest.param("vllm", marks=pytest.mark.extended),
+                                        pytest.param("sglang", marks=pytest.mark.extended)])
 def dp_server(request, model_dir):
     if request.param == "vllm":
         server = _vllm(model_dir, extra_args=["--data-parallel-size", str(REPLICAS)],
