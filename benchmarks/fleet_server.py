@@ -16,7 +16,6 @@ file as it would for a real engine); `--full-build` keeps the fake's hashing."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
@@ -37,14 +36,32 @@ def qwen_spec(max_rank: int):
     return ModelSpec.from_hf_config(LlamaConfig(**QWEN_05B_SHAPES), max_rank)
 
 
+def light_digest(tensors: dict, config=None) -> str:
+    """A digest of an adapter that reads one element per tensor instead of hashing all."""
+    return str(hash(tuple(sorted((k, float(t.reshape(-1)[0]) if t.numel() else 0.0)
+                                 for k, t in tensors.items()))))
+
+
 def _light_build(engine):
-    """The fake engine's build, reading one element per tensor instead of hashing all."""
+    """The fake engine's build, by light_digest."""
     def build(adapter_id, stored, take_buffer):
-        digest = str(hash(tuple(sorted((k, float(t.reshape(-1)[0]) if t.numel() else 0.0)
-                                       for k, t in stored.tensors.items()))))
-        engine.built[adapter_id] = digest
+        engine.built[adapter_id] = digest = light_digest(stored.tensors)
         return digest
     return build
+
+
+def serve_until_signalled(server) -> int:
+    """Starts `server`, says so on stdout ("fake-engine ready URL"), serves until SIGTERM or
+    SIGINT, stops it."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"fake-engine ready {server.url} (pid {os.getpid()})", flush=True)
+    while not stop.wait(0.5):
+        pass
+    server.stop()
+    return 0
 
 
 def main(argv=None) -> int:
@@ -69,15 +86,7 @@ def main(argv=None) -> int:
     if not args.full_build:
         for w in server.bridge.workers:
             w.engine.build = _light_build(w.engine)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    print(f"fake-engine ready {server.url} (pid {os.getpid()})", flush=True)
-    while not stop.wait(0.5):
-        pass
-    server.stop()
-    return 0
+    return serve_until_signalled(server)
 
 
 if __name__ == "__main__":

@@ -43,11 +43,9 @@ import contextlib
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -393,12 +391,9 @@ def serve_fake(shape: Shape, port: int, max_rank: int) -> int:
     torch.set_num_threads(1)
     from unittest import mock
 
-    from fastapi import Request
-    from fastapi.responses import PlainTextResponse
-
-    from benchmarks.fleet_server import _light_build
+    from benchmarks.fleet_server import _light_build, light_digest, serve_until_signalled
     from lora_sync.server.settings import Settings
-    from tests.engine_fakes import FakeEngineServer, _error
+    from tests.engine_fakes import FakeEngineServer
     env = {k: v for k, v in os.environ.items() if k.startswith("LORA_SYNC_")}
     with mock.patch.dict(os.environ, env, clear=True):
         settings = Settings.from_env()
@@ -411,38 +406,8 @@ def serve_fake(shape: Shape, port: int, max_rank: int) -> int:
     bridge.model_spec, bridge.max_rank = model_spec, max_rank
     for w in bridge.workers:
         w.engine.build = _light_build(w.engine)
-    light = _light_build(type("E", (), {"built": {}})())
-    server.app.router.routes[:] = [r for r in server.app.router.routes
-                                   if getattr(r, "path", "") != "/v1/load_lora_adapter"]
-
-    async def load_lora_adapter(request):
-        import asyncio
-        body = await request.json()
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not isinstance(path, str):
-            return _error(400, "lora_name and lora_path are required")
-        if name in bridge.disk or name in bridge.table or name in bridge.base_names:
-            return _error(400, f"The lora adapter '{name}' has already been loaded.")
-        try:
-            adapter = await asyncio.to_thread(LoRAAdapter.from_dir, path)
-            check_adapter(adapter.specs(), adapter.config, spec)
-        except Exception as e:  # noqa: BLE001 - the engine's own error reply
-            return _error(400, f"could not load {path}: {e}")
-        adapter_id = bridge.new_adapter_id()
-        bridge.disk[name] = (adapter_id, light(adapter_id, adapter, None))
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-    load_lora_adapter.__annotations__["request"] = Request  # a class, not a string: FastAPI
-    server.app.post("/v1/load_lora_adapter")(load_lora_adapter)  # injects the request
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    print(f"fake-engine ready {server.url} (pid {os.getpid()})", flush=True)
-    while not stop.wait(0.5):
-        pass
-    server.stop()
-    return 0
+    bridge.disk_weights = light_digest
+    return serve_until_signalled(server)
 
 
 class FakeServer:

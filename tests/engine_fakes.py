@@ -169,6 +169,8 @@ class FakeBridge(EngineBridge):
         self.evicted: list[int] = []              # disk adapters evicted after an unload
         self.calls: list[str] = []                # every worker op, in order
         self.violations: list[str] = []           # what a real engine would crash on
+        # What the disk route registers for a loaded adapter (a benchmark may read less).
+        self.disk_weights = weights_digest
 
     # EngineBridge -----------------------------------------------------------------------
     def engine_names(self) -> set[str]:
@@ -358,7 +360,7 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
             cfg = check_adapter(adapter.specs(), adapter.config, await bridge.model_spec())
         except Exception as e:  # noqa: BLE001 - the engine's own error reply
             return _error(400, f"could not load {path}: {e}")
-        bridge.disk[name] = (bridge.new_adapter_id(), weights_digest(adapter.tensors, cfg))
+        bridge.disk[name] = (bridge.new_adapter_id(), bridge.disk_weights(adapter.tensors, cfg))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -61,6 +61,20 @@ def greedy(client, model: str, prompt: str = PROMPT, n: int = 12) -> str:
     return client.complete(prompt, model, n)["text"]
 
 
+def push_by(client, adapter, name: str, transport: str):
+    """One push of `adapter` as `name` by `transport` (a broadcast: in a group of its own,
+    destroyed after it); returns the server's PushResult."""
+    if transport != "broadcast":
+        [res] = client.push(adapter, name, transport=transport)
+        return res
+    client.init_group(group_name="one-push", timeout_s=60)
+    try:
+        [res] = client.broadcast(adapter, name)
+    finally:
+        client.destroy_group()
+    return res
+
+
 def disk_model(client, name: str) -> str:
     """How a request names an adapter loaded by the engine's own disk route (SGLang's
     OpenAI routes take 'base:<adapter>'; ours take the plain name on both engines)."""

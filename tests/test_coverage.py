@@ -31,7 +31,7 @@ from lora_sync.errors import BadAdapter, LoRASyncError
 
 from . import coverage_matrix
 from .conftest import REPO, SGLANG_PYTHON, SGLANG_TEST_PATH
-from .helpers import PROMPT, disk_model, greedy, versions_of
+from .helpers import PROMPT, disk_model, greedy, push_by, versions_of
 from .peft_oracle import oracle, peft_model, scalings, server_greedy
 
 N_TOKENS = 8
@@ -503,14 +503,7 @@ def served_as_disk_and_peft(c, engine: str, case: str, seed: int, name: str, mod
     transports = coverage_matrix.cell_for_case(case, engine).transports.split(", ")
     assert transports[0] == "tensors", case
     for transport in transports:
-        if transport == "broadcast":
-            c.init_group(group_name="coverage", timeout_s=60)
-            try:
-                [res] = c.broadcast(adapter, name)
-            finally:
-                c.destroy_group()
-        else:
-            [res] = c.push(adapter, name, transport=transport)
+        res = push_by(c, adapter, name, transport)
         assert res.transport == transport
         assert server_greedy(c, res.name, PROMPT, N_TOKENS) == want, (case, transport)
     assert disk_text(c, adapter, name, workdir) == want, case

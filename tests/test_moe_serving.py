@@ -20,7 +20,7 @@ from lora_sync.adapter import ModelSpec, check_adapter
 from lora_sync.errors import BadAdapter
 
 from .conftest import GENERATION_KEY
-from .helpers import PROMPT, disk_model
+from .helpers import PROMPT, disk_model, push_by
 from .peft_oracle import peft_greedy, peft_model, server_greedy
 
 N_TOKENS = 8
@@ -134,14 +134,7 @@ def test_moe_lora_syncs_as_disk_and_peft_on_each_engine(request, engine, moe_dir
             assert want != base, case
             name = f"moe-{i}"
             for transport in transports:
-                if transport == "broadcast":
-                    c.init_group(group_name="moe", timeout_s=60)
-                    try:
-                        [res] = c.broadcast(adapter, name)
-                    finally:
-                        c.destroy_group()
-                else:
-                    [res] = c.push(adapter, name, transport=transport)
+                res = push_by(c, adapter, name, transport)
                 assert server_greedy(reader, res.name, PROMPT, N_TOKENS) == want, \
                     (case, transport)
             disk = f"moe-disk-{i}-{time.monotonic_ns() % 10 ** 9}"
