@@ -22,8 +22,8 @@ from .fields import loads
 META_NAME, META_CONFIG, META_VERSION, META_CHECKSUM = (
     "lora_name", "adapter_config", "version", "checksum")
 
-# target_modules / rank_pattern / alpha_pattern entries: one per LoRA pair at most (a config
-# may name every module in full).
+# target_modules entries: one per LoRA pair at most (a config may name every module in full;
+# each is looked up in ModelSpec's suffix index).
 MAX_TARGETS = wire.MAX_TENSORS // 2
 # PEFT's names: '<module>.lora_A.weight' on a linear layer, '<module>.lora_embedding_A' (a
 # parameter, no '.weight') on an embedding.
@@ -446,6 +446,9 @@ def check_config(cfg: dict, max_rank: int) -> int:
 
 
 MAX_PATTERN_KEY = 256  # characters of one rank_pattern / alpha_pattern key
+# Keys of one rank_pattern / alpha_pattern: regular expressions, each compiled and matched
+# (bounded in time by PATTERN_BUDGET_S); configs name a few module kinds.
+MAX_PATTERN_KEYS = 1024
 # Wall-clock bound on matching every pattern key against every module name of one adapter
 # (keys are regular expressions: one can backtrack for ever).
 PATTERN_BUDGET_S = 2.0
@@ -458,9 +461,9 @@ def _check_patterns(cfg: dict, max_rank: int) -> None:
         pattern = cfg.get(field_name)
         if pattern is None:
             continue
-        if not isinstance(pattern, dict) or len(pattern) > MAX_TARGETS:
+        if not isinstance(pattern, dict) or len(pattern) > MAX_PATTERN_KEYS:
             raise BadAdapter(f"adapter_config {field_name} must be an object of at most "
-                             f"{MAX_TARGETS} module patterns", code="bad_config")
+                             f"{MAX_PATTERN_KEYS} module patterns", code="bad_config")
         for key, value in pattern.items():
             if not 0 < len(key) <= MAX_PATTERN_KEY:
                 raise BadAdapter(f"adapter_config {field_name} keys must be 1 to "
@@ -518,6 +521,11 @@ def module_ranks(cfg: dict, modules) -> dict[str, tuple[int, float]]:
     modules = list(modules)
     out = {m: [cfg["r"], cfg["lora_alpha"]] for m in modules}
 
+    def too_slow(field_name):
+        return BadAdapter(f"adapter_config {field_name}: matching its keys against the "
+                          f"adapter's {len(modules)} module names took over "
+                          f"{PATTERN_BUDGET_S:g} s; use plain module names", code="bad_config")
+
     def matches(match, module, field_name) -> bool:
         left = deadline - time.monotonic()
         try:
@@ -525,16 +533,21 @@ def module_ranks(cfg: dict, modules) -> dict[str, tuple[int, float]]:
                 raise TimeoutError
             return match(module, left)
         except TimeoutError:
-            raise BadAdapter(f"adapter_config {field_name}: matching its keys against the "
-                             f"adapter's {len(modules)} module names took over "
-                             f"{PATTERN_BUDGET_S:g} s; use plain module names",
-                             code="bad_config") from None
+            raise too_slow(field_name) from None
+
+    def compiled(pattern: dict, field_name):
+        keys = []  # compiling counts against the budget too: a key can be slow to compile
+        for key, value in pattern.items():
+            if time.monotonic() > deadline:
+                raise too_slow(field_name)
+            keys.append((key, value, _pattern_matcher(key, field_name)))
+        return keys
 
     for slot, field_name in enumerate(("rank_pattern", "alpha_pattern")):
         pattern = cfg.get(field_name) or {}
         if not pattern:
             continue
-        keys = [(key, value, _pattern_matcher(key, field_name)) for key, value in pattern.items()]
+        keys = compiled(pattern, field_name)
         used = set()
         for module in modules:
             for key, value, match in keys:

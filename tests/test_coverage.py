@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_sync import LoRAAdapter, LoRASyncClient, wire
-from lora_sync.adapter import (CONFIG_FEATURES, MAX_TARGETS, PATTERN_BUDGET_S, Coverage, ModelSpec,
-                               check_adapter, module_ranks)
+from lora_sync.adapter import (CONFIG_FEATURES, MAX_PATTERN_KEYS, PATTERN_BUDGET_S, Coverage,
+                               ModelSpec, check_adapter, module_ranks)
 from lora_sync.errors import BadAdapter, LoRASyncError
 
 from . import coverage_matrix
@@ -243,7 +243,7 @@ def specs_of(tensors):
     ({"rank_pattern": ["q_proj"]}, "bad_config", "must be an object"),
     ({"rank_pattern": {"": 4}}, "bad_config", "keys must be"),
     ({"rank_pattern": {"x" * 300: 4}}, "bad_config", "keys must be"),
-    ({"rank_pattern": {f"k{i}": 4 for i in range(MAX_TARGETS + 1)}}, "bad_config", "at most"),
+    ({"rank_pattern": {f"k{i}": 4 for i in range(MAX_PATTERN_KEYS + 1)}}, "bad_config", "at most"),
     ({"rank_pattern": {"q_proj(": 4}}, "bad_config", "not a valid regular expression"),
     ({"rank_pattern": {"q_proj": 8}}, "bad_shape", "rank 4 but adapter_config"),  # tensors: 4
     ({"use_rslora": "yes"}, "bad_config", "use_rslora"),
@@ -323,6 +323,21 @@ def test_a_backtracking_pattern_key_is_bounded_in_time():
         check_adapter(specs_of(tensors), {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
                                           "rank_pattern": {"q_proj": 4,
                                                            "(a|aa)+(a|aa)+b": 4}}, spec)
+    assert e.value.code == "bad_config"
+    assert time.monotonic() - started < PATTERN_BUDGET_S + 2
+
+
+def test_many_keys_slow_to_compile_are_bounded_by_the_same_budget():
+    """The most keys a pattern may have (MAX_PATTERN_KEYS), each slow to compile (a long
+    alternation), are refused within the matching budget: the cap bounds the compiling, which
+    counts against the budget too (50,000 such keys once held a check for 79 s)."""
+    spec = ModelSpec({"model.layers.0.self_attn.q_proj": (128, 128)}, 64, vllm_coverage())
+    keys = {(f"k{i}" + "(a|b)" * 40)[:250]: 4 for i in range(MAX_PATTERN_KEYS)}
+    started = time.monotonic()
+    with pytest.raises(BadAdapter) as e:
+        check_adapter(specs_of(one_module()), {"r": 4, "lora_alpha": 8,
+                                               "target_modules": ["q_proj"],
+                                               "rank_pattern": keys}, spec)
     assert e.value.code == "bad_config"
     assert time.monotonic() - started < PATTERN_BUDGET_S + 2
 
