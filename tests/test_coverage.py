@@ -64,7 +64,7 @@ def vllm_coverage() -> Coverage:
 
 
 # SGLang's bridge imports sglang (not in this venv): its COVERAGE is read by SGLang's Python
-# in test_sglang_coverage_matches_the_matrix; this copy's config_features is checked there.
+# in test_sglang_reads_no_config_feature_and_its_coverage_says_so, which checks this copy.
 SGLANG_FEATURES = frozenset()
 
 

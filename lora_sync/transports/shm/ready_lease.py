@@ -7,8 +7,8 @@ mapped. So after each push the client asks the server for the next lease of that
 maps it with its page tables filled (on a thread, off the push's path) and renews it at half
 its time, for steps of any length; the next push of that name only commits, copies and
 unmaps (the copy runs while the server waits for its seal). The server's rules are those of
-any lease: sealed at commit, at most half the table per client, counted against staging
-memory while it waits, gone at its time unless renewed.
+any lease: sealed at commit, counted against LORA_SYNC_MAX_LEASES (and, with tenants, its
+tenant's max_leases) and staging memory while it waits, gone at its time unless renewed.
 
 The lease is asked for as `ahead`: the server grants it once the versions the push retired
 have given their memory back (at the next pause in serving), so its pages are recycled ones
