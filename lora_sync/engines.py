@@ -1,7 +1,9 @@
 """What lora-sync knows about each engine, in one table: where its routes live, its own
 adapter routes, how an OpenAI request names one of its disk-loaded adapters, the versions we
 start on, and how our launcher starts it. The client, CLI, TRL integration, benchmark and
-server all read it; a third engine is one more row. No engine is imported here."""
+server (each engine's plugin and engine_api) all read it; a third engine is one more row. No
+engine is imported here. Not here: the CPU flags and environment testbed/processes.py starts
+each engine with (test-harness sizes, in flags no two engines share)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

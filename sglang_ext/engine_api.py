@@ -14,6 +14,7 @@ from sglang.srt.managers.io_struct import BaseReq
 
 from lora_sync import wire
 from lora_sync.adapter import FUSED_SIBLINGS
+from lora_sync.engines import ENGINES
 from lora_sync.errors import LoRASyncError
 from lora_sync.messages import WorkerReply
 from lora_sync.server.pins import require_supported
@@ -285,8 +286,8 @@ def forget_usage(tm, lora_id: str) -> None:
 
 
 # SGLang's own routes that load or unload adapters by name (admin-optional upstream).
-NATIVE_ADAPTER_ROUTES = (("POST", "/load_lora_adapter", "lora_name"),
-                         ("POST", "/unload_lora_adapter", "lora_name"))
+NATIVE_ADAPTER_ROUTES = (("POST", ENGINES["sglang"].native_load, "lora_name"),
+                         ("POST", ENGINES["sglang"].native_unload, "lora_name"))
 
 
 def engine_keys(tm) -> tuple[str | None, str | None]:

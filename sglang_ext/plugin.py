@@ -8,11 +8,14 @@ from __future__ import annotations
 import importlib
 from functools import partial
 
+from lora_sync.engines import ENGINES
+
 from . import engine_api
 
 # The worker side, named as vLLM's --worker-extension-cls is: worker_extensions depends on
 # this package's engine_api, never the other way round.
 SCHEDULER_EXTENSION = "worker_extensions.sglang:install"
+PREFIX = ENGINES["sglang"].route_prefix
 
 
 def load() -> None:
@@ -46,13 +49,13 @@ def _on_tokenizer_manager(tm) -> None:
     settings = Settings.from_env(engine_has_key=bool(api_key or admin_key),
                                  engine_admin_key=admin_key)
     service = AdapterService(SGLangBridge(tm), settings)
-    router = build_router("")
+    router = build_router(PREFIX)
     engine_api.mark_admin(router)
     # SGLang's OpenAI routes pick the adapter from `lora_path`, not from `model`.
     # SGLang serves the base model for a `model` it does not know: strict_models makes that
     # a 404, and its "base:adapter" form is read exactly as SGLang reads it.
     app = engine_api.add_routes_and_middleware(router, partial(
-        AdmissionMiddleware, own_paths=own_paths(""), also_set=("lora_path",),
+        AdmissionMiddleware, own_paths=own_paths(PREFIX), also_set=("lora_path",),
         native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES],
         model_adapter=partial(engine_api.model_adapter,
                               served_model_name=tm.served_model_name),
@@ -61,7 +64,7 @@ def _on_tokenizer_manager(tm) -> None:
     app.state.lora_sync = service
     if service.tenancy.enabled:
         engine_api.let_tenant_keys_through(
-            own_paths(""), lambda header: service.tenancy.resolve(header).kind == "tenant")
+            own_paths(PREFIX), lambda header: service.tenancy.resolve(header).kind == "tenant")
     # Served by SGLang's /metrics when it runs with --enable-metrics (prometheus_client's
     # multiprocess mode: SGLang set PROMETHEUS_MULTIPROC_DIR before this hook runs).
     metrics.install(service)

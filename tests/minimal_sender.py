@@ -9,10 +9,13 @@ that the document, not the library, says what a server needs.
   sender.destroy_group()
   status, reply = sender.push_tensors("policy", tensors, adapter_config, version=4)
   status, reply = sender.push_shm("policy", tensors, adapter_config, version=5)
+  [(status, reply), ...] = sender.push_shared("policy", tensors, adapter_config, version=6,
+                                              also=[other_sender_on_this_host])
 
 Each section names the part of docs/wire_format.md it follows (§)."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import http.client
 import json
@@ -35,6 +38,11 @@ PROTOCOL_HEADER = "X-LoRA-Sync-Protocol"
 # §3 Tensors: dtype tags and their element sizes (little-endian)
 DTYPE_TAGS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+# §5c Shared: the memfd's name prefix and its four seals (F_SEAL_WRITE | F_SEAL_SHRINK |
+# F_SEAL_GROW | F_SEAL_SEAL)
+SHARED_PREFIX = "lora-sync-shared-"
+SEALS = 0x0008 | 0x0002 | 0x0004 | 0x0001
 
 # §6 Broadcast: the group and the frames
 STORE_PREFIX = "lora-sync"
@@ -109,6 +117,30 @@ def metadata(name: str, config: dict, version: int | None, with_checksum: bool,
     return meta
 
 
+def adapter_file(name: str, tensors: dict, config: dict, version: int | None,
+                 with_checksum: bool) -> bytes:
+    """The file of §4 that tensors, shm and shared all carry."""
+    return safetensors_file(tensors, metadata(name, config, version, with_checksum, tensors))
+
+
+# -- §5c the sealed memfd ------------------------------------------------------------------
+def sealed_memfd(body: bytes) -> tuple[int, str]:
+    """A new memfd of this process, named for a new claim, holding exactly `body`, sealed
+    with all four seals before any server hears of it: (its descriptor, the claim in hex)."""
+    claim = secrets.token_bytes(32)
+    fd = os.memfd_create(SHARED_PREFIX + hashlib.sha256(claim).hexdigest(),
+                         os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        view = memoryview(body)
+        while view:  # at offset 0, the whole file (a write may take part of it)
+            view = view[os.write(fd, view):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, claim.hex()
+
+
 # -- §6.4 layout digest, §6.5 bucket plan, §6.6 frames ------------------------------------
 def layout_digest(specs: list[dict]) -> int:
     text = json.dumps([[s["name"], s["dtype"], s["shape"]] for s in specs]).encode()
@@ -178,8 +210,7 @@ class MinimalSender:
     # §5 tensors ------------------------------------------------------------------------
     def push_tensors(self, name: str, tensors: dict, config: dict, version: int | None = None,
                      with_checksum: bool = False) -> tuple[int, dict]:
-        body = safetensors_file(tensors, metadata(name, config, version, with_checksum,
-                                                  tensors))
+        body = adapter_file(name, tensors, config, version, with_checksum)
         status, reply, _ = http_request(
             "POST", f"{self.base}/load_lora_adapter_from_tensors",
             {**self.headers, "Content-Type": "application/octet-stream"}, body, self.timeout)
@@ -188,8 +219,7 @@ class MinimalSender:
     # §5b shm ---------------------------------------------------------------------------
     def push_shm(self, name: str, tensors: dict, config: dict, version: int | None = None,
                  with_checksum: bool = False) -> tuple[int, dict]:
-        body = safetensors_file(tensors, metadata(name, config, version, with_checksum,
-                                                  tensors))
+        body = adapter_file(name, tensors, config, version, with_checksum)
         status, lease, _ = self.post("lora_sync_lease", {"nbytes": len(body),
                                                          "client": "minimal-sender"})
         if status != 200:
@@ -210,6 +240,22 @@ class MinimalSender:
             os.close(fd)
         status, reply, _ = self.post("load_lora_adapter_from_lease", ticket)
         return status, reply
+
+    # §5c shared ------------------------------------------------------------------------
+    def push_shared(self, name: str, tensors: dict, config: dict, version: int | None = None,
+                    with_checksum: bool = False, also: tuple = ()) -> list[tuple[int, dict]]:
+        """One sealed file, named to this server, then to each sender in `also` (servers on
+        this host), with the same path and claim: one (status, reply) per server. The
+        descriptor is closed once every server answered (each keeps its own)."""
+        body = adapter_file(name, tensors, config, version, with_checksum)
+        fd, claim = sealed_memfd(body)
+        request = {"path": f"/proc/{os.getpid()}/fd/{fd}", "nbytes": len(body),
+                   "claim": claim}
+        try:
+            return [s.post("load_lora_adapter_from_shared", request)[:2]
+                    for s in (self, *also)]
+        finally:
+            os.close(fd)
 
     # §6 broadcast ----------------------------------------------------------------------
     def init_group(self, master_address: str = "127.0.0.1", master_port: int | None = None,

@@ -9,7 +9,9 @@ collective, no timeout)."""
 from __future__ import annotations
 
 import ast
+import glob
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 from lora_sync import LoRAAdapter, LoRASyncClient, collective, http, wire
 from lora_sync.adapter import tensors_checksum
+from lora_sync.transports import shared_copy
 from lora_sync.transports.base import PROTOCOL_HEADER, PROTOCOL_VERSION
 
 from . import minimal_sender as ms
@@ -31,7 +34,7 @@ POST_ROUTES = ["init_lora_update_group", "load_lora_adapter_from_distributed",
                "destroy_lora_update_group", "load_lora_adapter_from_tensors",
                "lora_sync_lease", "load_lora_adapter_from_lease", "lora_sync_lease_cancel",
                "lora_sync_lease_renew", "load_lora_adapter_from_shared",
-               "retire_lora_adapter"]
+               "retire_lora_adapter", "lora_sync_alias"]
 
 
 def sender(server, **kw) -> ms.MinimalSender:
@@ -62,6 +65,7 @@ def test_the_minimal_sender_uses_nothing_of_lora_sync():
                    for m in imported), imported
     assert ms.PROTOCOL_VERSION == PROTOCOL_VERSION and ms.PROTOCOL_HEADER == PROTOCOL_HEADER
     assert ms.STORE_PREFIX == collective.STORE_PREFIX
+    assert ms.SHARED_PREFIX == shared_copy.MEMFD_PREFIX and ms.SEALS == shared_copy.SEALS
 
 
 # -- the bytes, against the library ------------------------------------------------------
@@ -176,6 +180,45 @@ def test_a_file_push_from_the_minimal_sender_serves_its_weights(make_fake_server
         assert greedy(c, "file") == greedy(c, "file-ours") == served_text(adapter)
 
 
+def shared_copies() -> set[tuple[int, int]]:
+    """(fd, inode) of every shared copy this process holds open: the in-process fake
+    servers' descriptors, and the sender's while it pushes."""
+    held = set()
+    for path in glob.glob("/proc/self/fd/*"):
+        try:
+            if os.readlink(path).startswith(f"/memfd:{shared_copy.MEMFD_PREFIX}"):
+                held.add((int(path.rsplit("/", 1)[1]), os.stat(path).st_ino))
+        except OSError:
+            pass  # closed meanwhile
+    return held
+
+
+def test_a_shared_push_from_the_minimal_sender_serves_its_weights(make_fake_server,
+                                                                 make_adapter):
+    """One sealed file for two servers on this host: each answers for itself, each holds a
+    descriptor of that one inode (the sender none once it returned), and both serve what
+    the real client's shared push of the same adapter serves."""
+    a, b = make_fake_server(), make_fake_server()
+    adapter = mixed(make_adapter(seed=495))
+    before = shared_copies()
+    replies = sender(a).push_shared("file", adapter.tensors, adapter.config, 6,
+                                    with_checksum=True, also=(sender(b),))
+    for status, reply in replies:
+        assert status == 200 and reply["name"] == "file-v6" and reply["transport"] == "shared", \
+            reply
+    held = shared_copies() - before
+    assert len(held) == 2 and len({ino for _, ino in held}) == 1, held
+    with LoRASyncClient([a.url, b.url], api_key=a.api_key) as c:
+        assert [r.transport for r in c.push(adapter, "file-ours", transport="shared",
+                                            checksum=True)] == ["shared"] * 2
+        for server in range(2):
+            assert c.complete("the quick brown", "file", 12, server=server)["text"] == \
+                c.complete("the quick brown", "file-ours", 12, server=server)["text"] == \
+                served_text(adapter)
+    for server in (a, b):
+        assert built_digests(server, "file-v6") == built_digests(server, "file-ours-v1")
+
+
 # -- the protocol version ------------------------------------------------------------------
 def test_replies_name_the_servers_protocol(fake_server):
     status, _, headers = http.request("GET", f"{fake_server.url}/v1/lora_sync_info",
@@ -275,7 +318,8 @@ def test_a_trainer_named_by_host_name_forms_its_group(make_fake_server, make_ada
 def test_the_doc_names_every_post_route():
     text = DOC.read_text()
     section = text[text.index("## 1. Protocol version"):text.index("## 2. HTTP")]
-    assert all(f"`{r}`" in section for r in POST_ROUTES)
-    from lora_sync.server.routes import RETIRE_ROUTE, TRANSPORT_ROUTES
-    assert {p.lstrip("/") for p in (*TRANSPORT_ROUTES, RETIRE_ROUTE)} == set(POST_ROUTES)
+    assert [r for r in POST_ROUTES if f"`{r}`" not in section] == []
+    from lora_sync.server.routes import build_router
+    served = {r.path.lstrip("/") for r in build_router("").routes if "POST" in r.methods}
+    assert served == set(POST_ROUTES)
     assert json.dumps(PROTOCOL_VERSION) in section

@@ -9,6 +9,7 @@ from functools import lru_cache, partial
 
 import torch
 
+from lora_sync.engines import ENGINES
 from lora_sync.server.pins import require_supported
 
 LORA_PATH_SCHEME = "lora-sync://"  # marks our adapters' paths: never read from disk
@@ -159,8 +160,8 @@ def engine_names(app_state) -> set[str]:
 # The engine's own routes that load or unload adapters by name (SageMaker's come with
 # VLLM_ALLOW_RUNTIME_LORA_UPDATING through model_hosting_container_standards).
 # Unloading only forgets the name (vllm#54839): lora-sync evicts the cached copy after.
-NATIVE_ADAPTER_ROUTES = (("POST", "/v1/load_lora_adapter", "lora_name"),
-                         ("POST", "/v1/unload_lora_adapter", "lora_name", True),
+NATIVE_ADAPTER_ROUTES = (("POST", ENGINES["vllm"].native_load, "lora_name"),
+                         ("POST", ENGINES["vllm"].native_unload, "lora_name", True),
                          ("POST", "/adapters", "name"), ("DELETE", "/adapters/", None, True))
 # vLLM's --api-key middleware guards only these prefixes (serve/middleware/authenticate.py):
 # /invocations, for one, generates unguarded.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from lora_sync.engines import ENGINES
 from lora_sync.server import metrics
 from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
 from lora_sync.server.routes import build_router, own_paths
@@ -14,6 +15,8 @@ from lora_sync.server.settings import API_KEY_ENV, Settings, read
 from . import engine_api
 from .bridge import VLLMBridge
 
+PREFIX = ENGINES["vllm"].route_prefix
+
 
 class LoRASyncEndpointPlugin:
     name = "lora_sync"
@@ -21,9 +24,9 @@ class LoRASyncEndpointPlugin:
 
     def attach_router(self, app) -> None:
         engine_api.check_version()
-        app.include_router(build_router("/v1"))
+        app.include_router(build_router(PREFIX))
         app.add_middleware(
-            AdmissionMiddleware, own_paths=own_paths("/v1"),
+            AdmissionMiddleware, own_paths=own_paths(PREFIX),
             native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES],
             engine_guards=lambda path: path.startswith(engine_api.KEY_GUARDED_PREFIXES))
         # vLLM's --api-key middleware sits in front of our /v1 routes: let our key through.
