@@ -3,9 +3,11 @@ the same POST through the ASGI stack both engines serve with, and a raw gloo bro
 flat buffer (peers run as subprocesses, like a server would).
 
 Every buffer is allocated once and reused, so the limits never pay for fresh pages (costly
-on this VM, see docs/protocol.md): they are the best case for the bytes alone. Each transfer
-may start from an idle pause (`idle_s`), as every push of the benchmark does: back to back,
-a 70 MB gloo broadcast took 15.6 ms median here, after 1.2 s idle 21.6."""
+under a hypervisor that takes freed memory back: docs/protocol.md, "Why memory is reused"):
+they are the best case for the bytes alone. Each transfer may start from an idle pause
+(`idle_s`), as every push of the benchmark does: a transfer from an idle machine is slower
+than one back to back (docs/benchmarks.md, "What each piece bought"), and a limit must
+start where the push does."""
 from __future__ import annotations
 
 import subprocess

@@ -29,7 +29,7 @@ import torch
 
 from lora_sync import LoRAAdapter, LoRASyncClient, ModelSpec
 from lora_sync.engines import ENGINES
-from testbed.processes import sglang_server, vllm_server
+from testbed.processes import SGLANG_PYTHON, SGLANG_TEST_PATH, sglang_server, vllm_server
 from testbed.tiny_model import QWEN_05B_SHAPES, build_tiny_model
 
 from . import limits
@@ -135,15 +135,11 @@ def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str):
         # vLLM's own unload route leaves a disk adapter in the worker's cache (vllm#54839);
         # lora-sync evicts it after the unload (AdapterService.evict_when_idle), off every
         # push's path. The small cache bounds what a run leaves cached all the same: while
-        # disk adapters pile up the disk route runs 2-3x slower (docs/benchmarks.md).
+        # disk adapters pile up the disk route slows down (docs/benchmarks.md, "Method").
         return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8).start()
-    # SGLang on CPU needs the sgl-kernel stand-in (PyPI ships CUDA kernels only); see
-    # docs/engines.md. It lives with the tests and is used here for the same reason.
-    repo = Path(__file__).resolve().parents[1]
-    path = f"{repo / 'tests' / 'sgl_kernel_standin'}{os.pathsep}{repo}"
+    # SGLang on CPU needs the sgl-kernel stand-in, as the tests' servers do (SGLANG_TEST_PATH).
     return sglang_server(model_dir, max_lora_rank=max_rank, extra_args=["--dtype", dtype],
-                         python=str(repo / ".venv-sglang" / "bin" / "python"),
-                         env={"PYTHONPATH": path}).start()
+                         python=str(SGLANG_PYTHON), env={"PYTHONPATH": SGLANG_TEST_PATH}).start()
 
 
 def bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar) -> list[dict]:

@@ -18,12 +18,13 @@ import torch.distributed as dist
 from .wire import DTYPES, TensorSpec
 
 # Small buckets, all in flight at once, let the sender pack bucket k+1 while bucket k is on
-# the wire: faster than one flat buffer or pack-then-send (measured in docs/protocol.md,
-# "Bucket packing").
+# the wire: faster than one flat buffer or pack-then-send (measured in docs/benchmarks.md,
+# "What each piece bought").
 DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
 # gloo: connections per pair of ranks, each carrying one bucket at a time. One TCP stream
 # leaves the wire idle between its segments; several in parallel fill it (docs/protocol.md,
-# "Parallel streams"). Every member of a group must use the same number.
+# "Parallel streams"; measured in docs/benchmarks.md, "What each piece bought"). Every member
+# of a group must use the same number.
 DEFAULT_STREAMS = 4
 MAX_STREAMS = 16
 # Every member wraps the trainer's TCP store in this prefix (docs/wire_format.md).

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# The SGLang venv and its CPU servers' PYTHONPATH (sgl-kernel stand-in), shared with benchmarks.
+from testbed.processes import SGLANG_PYTHON, SGLANG_TEST_PATH
+
 torch.set_num_threads(1)  # 2 cores: leave one to the server
 
 PROMPT = "the quick brown"
@@ -54,9 +57,6 @@ def _vllm(model_dir, **kw):
 
 
 REPO = Path(__file__).resolve().parents[1]
-SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
-# Test-only: the sgl-kernel stand-in and the pin_memory shim (tests/sgl_kernel_standin).
-SGLANG_TEST_PATH = f"{REPO / 'tests' / 'sgl_kernel_standin'}{os.pathsep}{REPO}"
 SERVER_ENV = {"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
               "LORA_SYNC_KEEP_VERSIONS": "3", "LORA_SYNC_CHECK_FINITE": "1",
               # small bounds so the attack tests reach them quickly

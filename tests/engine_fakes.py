@@ -53,6 +53,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from lora_sync import LoRAAdapter, ModelSpec, check_adapter
+from lora_sync.engines import ENGINES
 from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
 from lora_sync.messages import check_replies
 from lora_sync.server.bridge import EngineBridge
@@ -67,6 +68,8 @@ MAX_LORA_RANK = 64           # testbed.processes' --max-lora-rank
 BASE_TEXT = "base-model-says-hello"
 TEXT_CHARS = 24              # completion text: this many hex digits of the weights' digest
 MAX_FAKE_DELAY_S = 30.0
+# The fake serves lora-sync's routes and the engine's own disk routes where vLLM does.
+VLLM = ENGINES["vllm"]
 
 
 # -- the weights' fingerprint -------------------------------------------------------------
@@ -277,9 +280,9 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
     from vllm_ext.engine_api import KEY_GUARDED_PREFIXES, NATIVE_ADAPTER_ROUTES
 
     app = FastAPI()
-    app.include_router(build_router("/v1"))
+    app.include_router(build_router(VLLM.route_prefix))
     app.add_middleware(
-        AdmissionMiddleware, own_paths=own_paths("/v1"),
+        AdmissionMiddleware, own_paths=own_paths(VLLM.route_prefix),
         native_routes=[NativeRoute(*r) for r in NATIVE_ADAPTER_ROUTES],
         engine_guards=lambda path: path.startswith(KEY_GUARDED_PREFIXES))
     if engine_keys:
@@ -346,7 +349,7 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
                              "finish_reason": "length"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post(VLLM.native_load)
     async def load_lora_adapter(request: Request):
         """The engine's own disk route (the baseline): reads a PEFT directory."""
         body = await request.json()
@@ -363,7 +366,7 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
         bridge.disk[name] = (bridge.new_adapter_id(), bridge.disk_weights(adapter.tensors, cfg))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post(VLLM.native_unload)
     async def unload_lora_adapter(request: Request):
         body = await request.json()
         name = body.get("lora_name")
@@ -426,7 +429,7 @@ class FakeEngineServer:
     `host`, `port`: the address to bind (default 127.0.0.1, a free port; tests/
     fake_server_main.py binds a network namespace's address and a given port)."""
 
-    engine = "vllm"  # routes under /v1, like a vLLM server
+    engine = VLLM.name  # routes where a vLLM server has them
 
     def __init__(self, settings: Settings | None = None, workers: int = 1,
                  check_finite: bool | None = None, engine_keys: tuple = (),

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from lora_sync import LoRAAdapter, LoRASyncClient, http
+from lora_sync.engines import ENGINES
 
 from .conftest import GENERATION_KEY
 from .helpers import AUTH, PROMPT, Background, blackhole, greedy, post_body, versions_of
@@ -129,13 +130,13 @@ def test_bodies_admission_cannot_read_are_refused(client, server):
 
 
 def _native(engine):
-    if engine == "vllm":
-        return [("POST", "/v1/load_lora_adapter", {"lora_name": "{v}", "lora_path": "/etc"}),
-                ("POST", "/v1/unload_lora_adapter", {"lora_name": "{v}"}),
-                ("POST", "/adapters", {"name": "{v}", "src": "/etc"}),
-                ("DELETE", "/adapters/{v}", None)]
-    return [("POST", "/load_lora_adapter", {"lora_name": "{v}", "lora_path": "/etc"}),
-            ("POST", "/unload_lora_adapter", {"lora_name": "{v}"})]
+    routes = ENGINES[engine]
+    native = [("POST", routes.native_load, {"lora_name": "{v}", "lora_path": "/etc"}),
+              ("POST", routes.native_unload, {"lora_name": "{v}"})]
+    if engine == "vllm":  # SageMaker's adapter routes, which vLLM serves too
+        native += [("POST", "/adapters", {"name": "{v}", "src": "/etc"}),
+                   ("DELETE", "/adapters/{v}", None)]
+    return native
 
 
 def test_native_adapter_routes_never_touch_our_names(client, server, make_adapter):

@@ -527,7 +527,7 @@ def test_a_module_named_twice_is_refused():
     assert e.value.code == "duplicate_module"
 
 
-# -- coverage: what each engine's LoRA layers serve (docs/security.md) ------------
+# -- coverage: what each engine's LoRA layers serve (docs/coverage.md) ------------
 PROJ = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (64, 32),
         "self_attn.v_proj": (64, 32), "self_attn.o_proj": (64, 64),
         "mlp.gate_proj": (64, 96), "mlp.up_proj": (64, 96), "mlp.down_proj": (96, 64)}

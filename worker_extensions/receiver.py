@@ -39,7 +39,8 @@ class WorkerState:
     # of the same layout names it instead of listing them again.
     layouts: dict[str, object] = field(default_factory=dict)
     # Buckets of the last freed adapter, for the next broadcast to receive into: filling
-    # memory that is already mapped is several times cheaper than fresh pages (docs/protocol.md).
+    # memory that is already mapped is several times cheaper than fresh pages (docs/protocol.md,
+    # "Why memory is reused"; measured in docs/benchmarks.md, "What each piece bought").
     spare: list[torch.Tensor] = field(default_factory=list)
     # A busy version is freed when its last request ends, maybe while a receive runs.
     spare_lock: threading.Lock = field(default_factory=threading.Lock)

@@ -537,8 +537,8 @@ class BroadcastTransport(Transport):
     # worker side
     def receive(self, intake, pool) -> Received:
         """Receives the framed buckets into reused buffers (filling memory that is already
-        mapped is several times cheaper than fresh pages; docs/protocol.md), checking the
-        frames against the declaration before the tensors are used."""
+        mapped is several times cheaper than fresh pages: docs/benchmarks.md, "What each piece
+        bought"), checking the frames against the declaration before the tensors are used."""
         group_name, args = intake.args["group_name"], intake.args
         pg, device = pool.group(group_name)
         layout = pool.layouts.get(group_name)

@@ -2,7 +2,8 @@
 
 What costs is not the bytes but the number of copies and where they land. Ways to write
 a rank-64 adapter (70 MB, 336 tensors) into a ready lease, unmap included, slowest first
-(scripts/gpu_check.py measures them; docs/protocol.md has the table):
+(scripts/gpu_check.py measures them; docs/benchmarks.md, "A GPU trainer's copy", has the
+table):
 
 - one synchronous copy per tensor (torch's `copy_`): a transfer and a wait per tensor;
 - the tensors packed on the GPU into buckets of at most BUCKET_BYTES, one queued copy per

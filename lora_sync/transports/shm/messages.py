@@ -1,4 +1,5 @@
-"""The shm transport's routes and typed messages (docs/protocol.md, "Same-host leases")."""
+"""The shm transport's routes and typed messages (docs/protocol.md,
+"Same-host transport (shm): lease, write, commit")."""
 from __future__ import annotations
 
 import re
