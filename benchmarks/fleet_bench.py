@@ -215,6 +215,27 @@ def engine_order(rnd: int, engines) -> list[str]:
     return engines[i:] + engines[:i]
 
 
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def client_peak_start() -> int:
+    """Resets this process's peak RSS to its current RSS (clear_refs 5) and returns that RSS
+    in bytes: the baseline a push's peak is measured against."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS") * 1024
+
+
+def client_peak_over(baseline: int) -> int:
+    """Bytes the process's peak RSS rose over `baseline` since client_peak_start."""
+    return max(0, _status_kb("VmHWM") * 1024 - baseline)
+
+
 def bench_rounds(fleets: dict[str, list[str]], a: LoRAAdapter, reps: int, warmup: int,
                  idle_s: float, transports) -> dict[str, dict[str, list[dict]]]:
     """`warmup + reps` rounds; each pushes `a` with every transport in turn, to every fleet
@@ -231,12 +252,15 @@ def bench_rounds(fleets: dict[str, list[str]], a: LoRAAdapter, reps: int, warmup
             for t in transports:
                 for e in engine_order(rnd, fleets):
                     time.sleep(idle_s)
+                    rss0 = client_peak_start()
                     t0 = time.perf_counter()
                     results = clients[e].push(a, f"fleet-{t}", transport=t)
                     seconds = time.perf_counter() - t0
+                    client_peak = client_peak_over(rss0)
                     assert all(r.ok and r.transport == t for r in results), (e, results)
                     if rnd >= warmup:
-                        out[e][t].append({"s": seconds, "timings_ms": [
+                        out[e][t].append({"s": seconds, "client_peak": client_peak,
+                                          "timings_ms": [
                             r.reply.get("timings_ms", {}) for r in results]})
     return out
 
@@ -262,6 +286,12 @@ def curve_of(samples: dict, sizes, transports) -> dict:
     """size -> transport -> samples  =>  transport -> size -> stats (ms)."""
     return {t: {k: _stats([x["s"] * 1e3 for x in samples[k][t]]) for k in sizes}
             for t in transports}
+
+
+def client_memory_of(samples: dict, sizes, transports) -> dict:
+    """transport -> size -> the largest rise of the client's peak RSS over a push (MB)."""
+    return {t: {k: max(x.get("client_peak", 0) for x in samples[k][t]) / 2**20
+                for k in sizes} for t in transports}
 
 
 def phases_of(samples: dict, sizes, transports) -> dict:
@@ -358,6 +388,8 @@ def main(argv=None) -> int:
     curves = {e: curve_of(by_k, args.sizes, args.transports) for e, by_k in samples.items()}
     result = {"rank": args.rank, "bytes": nbytes, "sizes": args.sizes, "reps": args.reps,
               "warmup": args.warmup, "idle_s": args.idle, "curve": curves["fake"],
+              "client_peak_mb": {e: client_memory_of(by_k, args.sizes, args.transports)
+                                 for e, by_k in samples.items()},
               "floors": floors, "load_before": load0, "load_after": load1,
               "cpus": os.cpu_count(), "seconds": time.time() - t_start, **extra}
     if real:
@@ -392,6 +424,18 @@ def _floor_lines(result: dict) -> list[str]:
                 f"{fl[f'gloo_{k}']['median']:.1f}" for k in sizes) + " |"]
 
 
+def _client_memory_lines(result: dict) -> list[str]:
+    """The trainer's own memory per push: the most its peak RSS rose over one push, per K
+    (flat in K when the client holds one copy of the adapter whatever the fleet)."""
+    lines = []
+    for e, by_t in result.get("client_peak_mb", {}).items():
+        lines.append(f"client peak RSS rise per push, {e} servers (MB, max over rounds; K = "
+                     + " / ".join(map(str, result["sizes"])) + "):")
+        for t, by_k in by_t.items():
+            lines.append(f"  {t:9s} " + " / ".join(f"{by_k[k]:.1f}" for k in result["sizes"]))
+    return lines
+
+
 def _header(result: dict) -> str:
     return (f"push cost (ms, median [min-max] of {result['reps']}) against servers, rank "
             f"{result['rank']} ({result['bytes'] / 1e6:.1f} MB); load "
@@ -412,6 +456,7 @@ def report(result: dict) -> str:
         lines.append(f"| {t} | " + " | ".join(_cells(row, sizes)) +
                      f" | {per_extra_server(row, sizes):.1f} | {_ratio_text(row, sizes)} |")
     lines += _floor_lines(result)
+    lines += _client_memory_lines(result)
     for t, (k, goal) in GOALS.items():
         if t in curve and k in curve[t] and k0 in curve[t]:
             r = curve[t][k]["median"] / curve[t][k0]["median"]
@@ -438,6 +483,7 @@ def report_compare(result: dict) -> str:
             lines.append(f"| {t} | {e} | " + " | ".join(_cells(row, sizes)) +
                          f" | {per_extra_server(row, sizes):.1f} | {_ratio_text(row, sizes)} |")
     lines += _floor_lines(result)
+    lines += _client_memory_lines(result)
     kn = sizes[-1]
     for e in real:
         lines.append(f"fake vs {e}: push({kn})/push({sizes[0]}) and per extra server (ms); "

@@ -25,6 +25,13 @@ INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.ge
 
 SHM = "/dev/shm"
 
+REPO = Path(__file__).resolve().parents[1]
+# The checkout's SGLang environment (scripts/install_sglang.sh), and the PYTHONPATH its CPU
+# servers need: the sgl-kernel stand-in and pin_memory shim (PyPI ships CUDA kernels only;
+# tests/sgl_kernel_standin, docs/engines.md), then the checkout. Shared by tests and benchmarks.
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+SGLANG_TEST_PATH = f"{REPO / 'tests' / 'sgl_kernel_standin'}{os.pathsep}{REPO}"
+
 
 def remove_unheld(directory: str, names: set[str], min_age_s: float = 30.0) -> None:
     """Unlinks the named files in `directory` that no live process has open or mapped and
@@ -56,8 +63,11 @@ def remove_unheld(directory: str, names: set[str], min_age_s: float = 30.0) -> N
 class ServerProcess:
     def __init__(self, cmd: list[str], port: int, env: dict | None = None,
                  log_path: str | os.PathLike | None = None, engine: str = "vllm",
-                 start_timeout: float = 300.0):
+                 start_timeout: float = 300.0, stop_group: bool = False):
         self.cmd, self.port, self.engine = cmd, port, engine
+        # stop() sends SIGTERM to the whole process group, not to `cmd` alone: for a server
+        # run under a wrapper that does not pass it on (unshare --fork ignores it).
+        self.stop_group = stop_group
         self.private_tmp = None
         self.url = f"http://127.0.0.1:{port}"
         self.env = {**os.environ, **(env or {})}
@@ -133,7 +143,10 @@ class ServerProcess:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.proc.terminate()
+            if self.stop_group:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            else:
+                self.proc.terminate()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -29,20 +29,26 @@ import threading
 from .conftest import API_KEY, REPO, SERVER_ENV
 
 VIOLATIONS_PATH = "/fake/violations"
+REFUSE_PATH = "/fake/refuse"  # POST {"refuse": bool}: the engine refuses every build, or none
+# A PID namespace of its own (and its own /proc): neither this server nor a trainer outside
+# can open the other's /proc/<pid>/fd, as between hosts or containers. --kill-child: the
+# server dies with unshare; unshare ignores SIGTERM, so a stop signals the process group.
+OWN_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
 
 
 def fake_engine_process(port: int | None = None, env: dict | None = None, workers: int = 1,
-                host: str = "127.0.0.1"):
+                host: str = "127.0.0.1", own_pid_namespace: bool = False):
     """A not yet started ServerProcess running this module (SERVER_ENV, then `env`)."""
     from lora_sync.collective import free_port
     from testbed.processes import ServerProcess
     port = port or free_port()
-    cmd = [sys.executable, "-m", "tests.fake_server_main", "--host", host, "--port", str(port),
+    cmd = [*(OWN_PID_NAMESPACE if own_pid_namespace else []),
+           sys.executable, "-m", "tests.fake_server_main", "--host", host, "--port", str(port),
            "--workers", str(workers)]
     server = ServerProcess(cmd, port, {**SERVER_ENV, **(env or {}), "PYTHONPATH": str(REPO),
                                        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
                            log_path=f"/tmp/lora-sync-fake-{port}.log", engine="vllm",
-                           start_timeout=60)
+                           start_timeout=60, stop_group=own_pid_namespace)
     server.url = f"http://{host}:{port}"
     server.api_key = API_KEY
     return server
@@ -75,6 +81,13 @@ def main(argv=None) -> int:
     @server.app.get(VIOLATIONS_PATH)
     async def fake_violations():
         return list(server.bridge.violations)
+
+    @server.app.post(REFUSE_PATH)
+    async def fake_refuse(body: dict):
+        refuse = (lambda aid, stored: "refused by the test") if body.get("refuse") else None
+        for w in server.bridge.workers:
+            w.engine.refuse = refuse
+        return {"refuse": refuse is not None}
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -51,6 +51,16 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
         time.sleep(0.01)
 
 
+def retire_if_held(url: str, name: str) -> None:
+    """Retires `name` on the (vLLM-routed) server at `url`, where it holds any version."""
+    from lora_sync.errors import NotFound
+    try:
+        http.call("POST", url + "/v1/retire_lora_adapter", json_body={"lora_name": name},
+                  headers=AUTH)
+    except NotFound:
+        pass  # it holds no version
+
+
 def versions_of(client, name: str) -> list[int]:
     """The servable (not retired) versions the server lists for `name`."""
     return [v["version"] for a in client.adapters()[0]["adapters"] if a["name"] == name

@@ -23,15 +23,21 @@ import signal
 import threading
 import time
 
-import pytest
+import glob
+from concurrent.futures import ThreadPoolExecutor
 
-from lora_sync import LoRASyncClient
-from lora_sync.errors import PushFailed
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from lora_sync import LoRASyncClient, http
+from lora_sync.errors import NotFound, PushFailed
+from lora_sync.transports.shared_copy import MEMFD_PREFIX
 
 from .conftest import API_KEY
 from .engine_fakes import served_text
-from .fake_server_main import fake_engine_process, violations
-from .helpers import greedy
+from .fake_server_main import REFUSE_PATH, fake_engine_process, violations
+from .helpers import greedy, retire_if_held, wait_until
 
 
 @pytest.fixture
@@ -151,3 +157,137 @@ def test_rl_loop_survives_a_server_killed_mid_run(crashable, model_dir, workdir)
     first, last = summary(log, k=3)
     print(f"\nreward {first:.3f} -> {last:.3f}; server down {events[0]['down_s']:.0f} s")
     assert last > first + 0.3
+
+
+# -- random fleets: same-host and remote servers, refusals and kills mid-push ---------------
+@pytest.fixture(scope="module")
+def mixed_fleet():
+    """Three fake-engine servers on this host and two 'remote' ones, each in a PID namespace
+    of its own (fake_server_main.OWN_PID_NAMESPACE): they cannot open the trainer's
+    /proc/<pid>/fd, nor it theirs, as from another host or container. Processes of their
+    own, so a test can SIGKILL one and start it again."""
+    servers = [fake_engine_process() for _ in range(3)] + \
+        [fake_engine_process(own_pid_namespace=True) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda s: s.start(), servers))
+        yield servers[:3], servers[3:]
+        for s in servers:
+            assert violations(s.url) == [], s.url  # what a real engine would have crashed on
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a server in its own PID namespace runs under unshare)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for children in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(children) as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass  # gone meanwhile
+    return out
+
+
+def shared_files_held(servers) -> list[int]:
+    """The processes of the trainer (this one) and of `servers` that hold a shared copy
+    open or mapped (other test runs on the host have their own)."""
+    held = []
+    for pid in [os.getpid(), *(p for s in servers for p in _tree(s.proc.pid))]:
+        proc = f"/proc/{pid}"
+        try:
+            fds = [os.readlink(fd) for fd in glob.glob(f"{proc}/fd/*")]
+            with open(f"{proc}/maps") as f:
+                maps = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        if any(MEMFD_PREFIX in x for x in fds) or MEMFD_PREFIX in maps:
+            held.append(pid)
+    return held
+
+
+def _text_or_none(server, model: str) -> str | None:
+    """The fake engine's text for `model` on `server`, or None where the name is unknown
+    there (404): never the base model's."""
+    with LoRASyncClient(server.url, api_key=API_KEY) as one:
+        try:
+            return one.complete("the quick brown", model, 12)["text"]
+        except NotFound:
+            return None
+
+
+# No shrinking: each example starts servers again; a failure prints its draws as they were.
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=(Phase.explicit, Phase.generate))
+@given(st.data())
+def test_random_fleets_with_remote_servers_refusals_and_kills(mixed_fleet, make_adapter, data):
+    """K same-host servers (0-3) and M remote ones (0-2), 1-3 pushes by `auto`; at each push
+    a random subset refuses (the engine refuses the build), and at one push of the example
+    one random server may be killed (SIGKILL) while the push is under way, then started
+    again (empty). After every
+    push each server serves exactly the newest version it acknowledged (the fake engine's
+    text is a digest of the weights), by alias and by version, and a server that holds no
+    version answers 404, never the base model; `auto` took the shared copy on the same-host
+    servers when two or more can map it, shm for one alone, and HTTP for the remote ones.
+    Once the name is retired, no process on the host holds a shared copy."""
+    local, remote = mixed_fleet
+    k = data.draw(st.integers(0, 3), "same-host servers")
+    m = data.draw(st.integers(0 if k else 1, 2), "remote servers")
+    servers = local[:k] + remote[:m]
+    name = f"mixed{data.draw(st.integers(0, 10**6))}"
+    acked: list[int | None] = [None] * len(servers)
+    adapters = {}
+    with LoRASyncClient([s.url for s in servers], api_key=API_KEY, remember=False,
+                        lease_ahead=False, timeout=20) as c:
+        try:
+            pushes = data.draw(st.integers(1, 3), "pushes")
+            # At most one kill per example (a restart is most of an example's time).
+            kill_at = data.draw(st.none() | st.integers(0, pushes - 1), "push with a kill")
+            for p in range(pushes):
+                refuse = data.draw(st.sets(st.integers(0, len(servers) - 1)), f"refuse {p}")
+                for i, s in enumerate(servers):
+                    http.call("POST", s.url + REFUSE_PATH, json_body={"refuse": i in refuse})
+                victim = data.draw(st.integers(0, len(servers) - 1), "victim") \
+                    if p == kill_at else None
+                delay = data.draw(st.floats(0, 0.05), "kill delay") if p == kill_at else 0
+                killer = threading.Timer(delay, servers[victim].kill) if victim is not None \
+                    else None
+                a = make_adapter(seed=4800 + p)
+                if killer:
+                    killer.start()
+                results = c.push(a, name, on_error="skip")
+                if killer:
+                    killer.join()
+                    servers[victim].start()  # same port, a new instance holding nothing
+                    acked[victim] = None
+                for i, r in enumerate(results):
+                    if i == victim:
+                        continue  # acknowledged or not, that instance is gone
+                    assert r.ok == (i not in refuse), r
+                    if not r.ok:
+                        assert r.error.code == "engine_refused", r.error
+                        continue
+                    # Remote: HTTP (neither memory transport reaches another PID
+                    # namespace). Same host: the one sealed copy once two servers can map
+                    # it; with one, shm (or the shared copy while a remote one still
+                    # counted as reachable, before its first refusal).
+                    want = {"tensors"} if i >= k else {"shared"} if k >= 2 else \
+                        {"shared", "shm"}
+                    assert r.transport in want, (i, r.transport, want)
+                    acked[i] = r.version
+                    adapters[r.version] = a
+                for i, s in enumerate(servers):
+                    want = served_text(adapters[acked[i]]) if acked[i] is not None else None
+                    assert _text_or_none(s, name) == want, (i, acked)
+                    if acked[i] is not None:
+                        assert _text_or_none(s, f"{name}-v{acked[i]}") == want
+        finally:
+            for s in servers:
+                http.call("POST", s.url + REFUSE_PATH, json_body={"refuse": False})
+                retire_if_held(s.url, name)
+    wait_until(lambda: not shared_files_held(servers), 20, "no shared copy left open or mapped")

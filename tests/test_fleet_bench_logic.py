@@ -86,3 +86,24 @@ def test_report_fake_only_keeps_its_table_and_goals():
     assert "| shm | 10.0 [10.0-10.0] | 12.0 [12.0-12.0] | 0.7 | 4: 1.20x |" in text
     assert "goal shared: push(4)/push(1) = 1.20 (goal <= 1.3): met" in text
     assert "engine" not in text
+
+
+def test_client_peak_rises_by_what_a_push_holds_and_resets_between_pushes():
+    """The trainer's memory per push: the peak RSS since client_peak_start rises by a
+    buffer touched in between, and the next start measures from the current RSS again."""
+    rss0 = fb.client_peak_start()
+    buf = bytearray(64 << 20)  # 64 MiB, zero-filled: touched
+    rise = fb.client_peak_over(rss0)
+    assert 60 << 20 <= rise <= 80 << 20, rise
+    del buf
+    assert fb.client_peak_over(fb.client_peak_start()) < 8 << 20
+
+
+def test_client_memory_is_the_largest_rise_per_size_and_is_reported():
+    sizes = [1, 4]
+    samples = {k: {"shm": [{"s": 0.01, "client_peak": mb << 20, "timings_ms": []}
+                           for mb in (3, 5)]} for k in sizes}
+    assert fb.client_memory_of(samples, sizes, ["shm"]) == {"shm": {1: 5.0, 4: 5.0}}
+    result = _result({"fake": fb.curve_of(samples, sizes, ["shm"])}, sizes)
+    result["client_peak_mb"] = {"fake": fb.client_memory_of(samples, sizes, ["shm"])}
+    assert "  shm       5.0 / 5.0" in fb.report(result)

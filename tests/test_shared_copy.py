@@ -22,13 +22,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lora_sync import LoRASyncClient, LoRASyncError, NotFound, http, wire
+from lora_sync import LoRASyncClient, LoRASyncError, http, wire
 from lora_sync.transports import shared_copy
 from lora_sync.transports.shared_copy import MEMFD_PREFIX, SEALS, memfd_name, write_sealed
 
 from .conftest import REPO
 from .engine_fakes import FakeEngineServer, served_text
-from .helpers import AUTH, wait_until
+from .helpers import AUTH, retire_if_held, wait_until
 
 NAME_MARK = f"/memfd:{MEMFD_PREFIX}"
 F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h (Python's fcntl lacks it)
@@ -432,11 +432,7 @@ def test_random_fleets_serve_what_they_acknowledged(fleet, make_adapter, data):
             for s in servers:
                 for w in s.bridge.workers:
                     w.engine.refuse = None
-                try:
-                    http.call("POST", s.url + "/v1/retire_lora_adapter",
-                              json_body={"lora_name": name}, headers=AUTH)
-                except NotFound:
-                    pass  # it acknowledged no version
+                retire_if_held(s.url, name)
         wait_until(lambda: not _held_shared(c), 15, "every version drained")
     wait_until(readers_gone, 15, "no shared copy left open or mapped")
 
