@@ -25,25 +25,24 @@ class NotPrivate(RuntimeError):
     """A shared place where lora-sync cannot keep its files private."""
 
 
-def check_root(root: str) -> None:
+def check_root(root: str, what: str = "") -> None:
     """The root must be a real directory where other users cannot rename or delete our entries:
-    owned by us or root, and, if others may write in it, sticky (as /dev/shm and /tmp are)."""
+    owned by us or root, and, if others may write in it, sticky (as /dev/shm and /tmp are).
+    `what` names it in the message (default: the staging root)."""
+    what = what or f"lora-sync's staging root {root!r} (LORA_SYNC_SHM_DIR)"
     try:
         st = os.lstat(root)
     except OSError as e:
-        raise NotPrivate(f"lora-sync's staging root {root!r} (LORA_SYNC_SHM_DIR) cannot be "
-                         f"used: {e.strerror}") from None
+        raise NotPrivate(f"{what} cannot be used: {e.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise NotPrivate(f"lora-sync's staging root {root!r} (LORA_SYNC_SHM_DIR) is not a "
-                         "directory (a symbolic link is not accepted)")
+        raise NotPrivate(f"{what} is not a directory (a symbolic link is not accepted)")
     if st.st_uid not in (0, os.geteuid()):
-        raise NotPrivate(f"lora-sync's staging root {root!r} (LORA_SYNC_SHM_DIR) belongs to "
-                         f"uid {st.st_uid}, who could swap our files: use a directory owned "
-                         "by this user or by root")
+        raise NotPrivate(f"{what} belongs to uid {st.st_uid}, who could swap our files: use a "
+                         "directory owned by this user or by root")
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise NotPrivate(f"lora-sync's staging root {root!r} (LORA_SYNC_SHM_DIR) is writable "
-                         "by other users without the sticky bit: they could rename our "
-                         "directory away; set the sticky bit (chmod +t) or use another root")
+        raise NotPrivate(f"{what} is writable by other users without the sticky bit: they "
+                         "could rename our entries away; set the sticky bit (chmod +t) or use "
+                         "another directory")
 
 
 def _verify(path: str) -> None:
@@ -53,14 +52,25 @@ def _verify(path: str) -> None:
                          f"user with mode 0700 (mode {oct(st.st_mode)}, uid {st.st_uid})")
 
 
+def pid_namespace() -> str:
+    """This process's PID namespace, as `ns<inode>`: a pid names a process only within its
+    namespace, and servers in other namespaces (containers) may share the root."""
+    try:
+        return f"ns{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return "ns-unknown"
+
+
 def private_dir(root: str) -> str:
     """This process's private directory under `root`, made on first use and checked each
-    time it is handed out. The process id in its name lets a later server sweep it after a
-    kill -9 (`remove_orphans`); the random rest makes it unguessable."""
+    time it is handed out. The process id and PID namespace in its name let a later server
+    of the same namespace sweep it after a kill -9 (`remove_orphans`); the random rest
+    makes it unguessable."""
     path = _made.get(root)
     if path is None or not os.path.isdir(path):
         check_root(root)
-        path = _made[root] = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
+        path = _made[root] = tempfile.mkdtemp(
+            prefix=f"{PREFIX}{os.getpid()}-{pid_namespace()}-", dir=root)
     _verify(path)
     return path
 
@@ -90,12 +100,15 @@ def subdir(parent: str, name: str) -> str:
 
 def remove_orphans(root: str) -> None:
     """Private directories of processes that died without cleaning up (kill -9). Only
-    directories of this user are touched; rmtree never follows a link out of them."""
+    directories of this user and of this PID namespace are touched (elsewhere the pid says
+    nothing of whether their process lives); rmtree never follows a link out of them."""
     if not os.path.isdir(root):
         return
+    namespace = pid_namespace()
     for entry in os.scandir(root):
-        pid = entry.name[len(PREFIX):].split("-", 1)[0]
-        if not entry.name.startswith(PREFIX) or not pid.isdigit() or pid_alive(int(pid)):
+        pid, ns, _ = (entry.name[len(PREFIX):].split("-", 2) + ["", ""])[:3]
+        if not entry.name.startswith(PREFIX) or not pid.isdigit() or ns != namespace \
+                or namespace == "ns-unknown" or pid_alive(int(pid)):
             continue
         try:
             st = entry.stat(follow_symlinks=False)

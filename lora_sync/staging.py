@@ -78,6 +78,7 @@ class StagingArea:
     def __init__(self, spare: int = 2, root: str = SHM_DIR, map_kept: bool = True):
         """`map_kept`: keep a writable mapping of each kept file for bodies read straight
         into it (only bodies read from the socket are: False when none is)."""
+        private_dir.check_root(root)  # before the sweep lists and removes anything there
         private_dir.remove_orphans(root)
         self.root, self.dir = root, private_dir.private_dir(root)
         self.spare, self.free, self.map_kept = spare, [], map_kept

@@ -57,7 +57,9 @@ def state_sizes(service) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def server(request):
+def fake():
+    """This module's own server on the fake engine (its state is measured). Not named
+    `server`: conftest marks that name `server` (real engines), and these run in process."""
     from .engine_fakes import FakeEngineServer
     with FakeEngineServer() as s:
         yield s
@@ -70,16 +72,16 @@ def server(request):
        values=st.tuples(st.one_of(st.text(max_size=8), st.integers(), st.none()),
                         st.one_of(st.text(max_size=8), st.integers(), st.none())),
        nested=st.booleans())
-def test_every_json_body_naming_a_key_twice_is_a_400(server, route, key, values, nested):
-    before = server.service.list_adapters()
+def test_every_json_body_naming_a_key_twice_is_a_400(fake, route, key, values, nested):
+    before = fake.service.list_adapters()
     body = {"prompt": PROMPT} if route == "/completions" else {}
     status, reply, _ = http.request(
-        "POST", f"{server.url}/v1{route}", chunks=[with_duplicate(body, key, values, nested)
+        "POST", f"{fake.url}/v1{route}", chunks=[with_duplicate(body, key, values, nested)
                                                    .encode()],
         headers={**AUTH, "Content-Type": "application/json"})
     assert status == 400, (route, status, reply)
     assert reply["error"]["code"] == "bad_request" and "twice" in reply["error"]["message"]
-    assert server.service.list_adapters() == before
+    assert fake.service.list_adapters() == before
 
 
 # State a request may leave on purpose, each bounded by the named limit.
@@ -87,10 +89,10 @@ BOUNDED = {"service.retired_names": service_module.RETIRED_NAMES_KEPT,
            "book.floors": service_module.RETIRED_NAMES_KEPT}
 
 
-def random_requests(server, rng: random.Random, n: int) -> None:
+def random_requests(fake, rng: random.Random, n: int) -> None:
     """Requests of every kind that a client can send without pushing an adapter: unknown
     names and versions, leases granted then dropped, bad tickets, bad bodies."""
-    url = f"{server.url}/v1"
+    url = f"{fake.url}/v1"
     for _ in range(n):
         name = "".join(rng.choice("abcxyz-_0123") for _ in range(rng.randint(1, 12)))
         kind = rng.randrange(9)
@@ -132,17 +134,17 @@ def random_requests(server, rng: random.Random, n: int) -> None:
                                     "nbytes": 4096, "claim": "%064x" % rng.getrandbits(256)})
 
 
-def test_no_request_leaves_state_behind(server):
+def test_no_request_leaves_state_behind(fake):
     """After a warm-up, 400 more random requests leave every container of the service as
     large as it was, but for the named bounded ones (leases dropped by their holders expire
     within the test servers' TTL, so the lease table is measured after it)."""
     rng = random.Random(43)
-    random_requests(server, rng, 50)
-    service = server.service
-    wait_leases_gone(server)
+    random_requests(fake, rng, 50)
+    service = fake.service
+    wait_leases_gone(fake)
     before = state_sizes(service)
-    random_requests(server, rng, 400)
-    wait_leases_gone(server)
+    random_requests(fake, rng, 400)
+    wait_leases_gone(fake)
     after = state_sizes(service)
     grown = {k: (before.get(k), v) for k, v in after.items()
              if v > before.get(k, 0) and k not in BOUNDED}
@@ -151,10 +153,10 @@ def test_no_request_leaves_state_behind(server):
         assert after.get(k, 0) <= bound, (k, after.get(k))
 
 
-def wait_leases_gone(server, timeout_s: float = 15.0) -> None:
+def wait_leases_gone(fake, timeout_s: float = 15.0) -> None:
     import time
     deadline = time.monotonic() + timeout_s
-    while server.service.contexts["shm"].state.pending:
+    while fake.service.contexts["shm"].state.pending:
         assert time.monotonic() < deadline, "leases outlived their TTL"
         time.sleep(0.1)
 
@@ -180,14 +182,14 @@ BAD_FIELDS = [
 
 
 @pytest.mark.parametrize("route, body", BAD_FIELDS)
-def test_the_added_routes_check_every_field(server, route, body):
+def test_the_added_routes_check_every_field(fake, route, body):
     """Wrong types, huge values, paths outside /proc: a 4xx naming the problem, never a
     5xx; without the key, 401; nothing changes."""
-    before = server.service.list_adapters()
-    status, reply, _ = http.request("POST", f"{server.url}/v1{route}", headers=AUTH,
+    before = fake.service.list_adapters()
+    status, reply, _ = http.request("POST", f"{fake.url}/v1{route}", headers=AUTH,
                                     json_body=body)
     assert 400 <= status < 500, (route, body, status, reply)
     assert reply["error"]["message"]
-    status, _, _ = http.request("POST", f"{server.url}/v1{route}", json_body=body)
+    status, _, _ = http.request("POST", f"{fake.url}/v1{route}", json_body=body)
     assert status == 401
-    assert server.service.list_adapters() == before
+    assert fake.service.list_adapters() == before

@@ -1,11 +1,14 @@
 """The tensor route on real vLLM and SGLang CPU servers: token identity with the engine's own
 disk load, and LRU eviction. Its rules (bodies, limits, versions) are checked with the fake
 engine in test_service_pushes.py and test_service_versions.py."""
+import json
 import time
+from urllib.parse import urlsplit
 
 from lora_sync import LoRASyncClient, http
 
 from .helpers import AUTH, disk_model, greedy, wait_until
+from .test_socket_body import Peer
 
 
 def test_tensors_match_disk_and_differ_from_base(client, make_adapter, workdir):
@@ -101,3 +104,44 @@ def test_bodies_land_in_a_kept_files_pages_and_serve_like_disk(client, make_adap
     adapter.save(workdir / "disk-land")
     client.load_from_disk(str(workdir / "disk-land"), "disk-land")
     assert greedy(client, f"land-v{version}") == greedy(client, disk_model(client, "disk-land"))
+
+
+def test_the_push_route_answers_expect_and_pipelining_as_uvicorn_does(client, make_adapter):
+    """On one raw keep-alive connection (test_socket_body.py has the in-process forms): a push
+    with `Expect: 100-continue` gets `100 Continue` before its body is sent, and its body is
+    read from the socket (counted); a GET, a small push and a GET pipelined right after that
+    body are all answered, in order, and the connection stays open."""
+    server = client.servers[0]
+    push, listing = (urlsplit(server.route(r)) for r in ("load_lora_adapter_from_tensors",
+                                                         "lora_adapters"))
+    auth = "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
+
+    def head(method: str, path: str, body: bytes = b"", expect: bool = False) -> bytes:
+        framing = f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n" \
+            if method == "POST" else ""
+        return (f"{method} {path} HTTP/1.1\r\nHost: t\r\n{auth}{framing}"
+                + ("Expect: 100-continue\r\n" if expect else "") + "\r\n").encode()
+    big, small = (b"".join(bytes(c) for c in make_adapter(seed, rank).encode(name, 1))
+                  for seed, rank, name in ((15, 64, "expect64"), (16, 8, "pipelined")))
+    before = client.info()[0]["staged_bodies"]["from_socket"]
+    peer = Peer(push.port)
+    try:
+        peer.send(head("POST", push.path, big, expect=True))
+        peer.read(lambda: peer.replies, 10)  # a conforming client waits a bounded time
+        assert [code for code, _, _ in peer.replies] == [100], \
+            f"no 100 Continue before the body: {peer.replies}"
+        peer.send(big + head("GET", listing.path) + head("POST", push.path, small) + small
+                  + head("GET", listing.path))
+        peer.read(lambda: peer.finals() >= 4, 60)
+        codes = [code for code, _, _ in peer.replies]
+        assert codes == [100, 200, 200, 200, 200], [r[:2] + (r[2][:200],) for r in peer.replies]
+        assert not peer.closed and all(c != b"close" for _, c, _ in peer.replies)
+        replies = [json.loads(body) for _, _, body in peer.replies[1:]]
+        names = [{a["name"] for a in r["adapters"]} for r in replies[1::2]]
+        assert "expect64" in names[0] and "pipelined" not in names[0], names
+        assert {"expect64", "pipelined"} <= names[1], names
+        assert client.info()[0]["staged_bodies"]["from_socket"] > before
+    finally:
+        peer.conn.close()
+        for name in ("expect64", "pipelined"):
+            client.retire(name)

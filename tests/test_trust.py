@@ -12,11 +12,10 @@ import json
 import os
 import stat
 
-import pytest
-
 from lora_sync import http
 
 from .helpers import AUTH, PROMPT, greedy
+from .test_attacks import shapes
 from .test_private_dir import as_nobody, needs_root
 
 SHM = "/dev/shm"
@@ -73,41 +72,89 @@ def test_another_local_user_can_neither_steer_nor_reach_the_servers_files(
         for p in planted:  # the attacker's directories, untouched
             assert sorted(os.listdir(p)) == ["f", "notices"]
     finally:
-        client.retire("trust")
-        for path in planted:
+        for path in planted:  # first: a retire that fails must not leave them behind
             as_nobody('rm -rf "$1"', path)
+        client.retire("trust")
 
 
-def native_forms(engine: str, name: str, served_model: str) -> list[tuple[str, str, dict]]:
-    """(label, path, body) of every way the engine reads an adapter name in a request."""
-    base = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0}
-    forms = [("model bare", "/v1/completions", {**base, "model": name})]
+# Short greedy generations: an adapter's text and the base model's are told apart.
+COMPLETION = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0}
+CHAT = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0.0}
+TOKEN_LIMITS = ("max_tokens", "max_new_tokens", "max_output_tokens")
+
+
+def short_and_greedy(body):
+    """A body of test_attacks.shapes (a long sampled generation, maybe streamed) as a short
+    greedy one whose reply comes whole."""
+    if isinstance(body, list):
+        return [short_and_greedy(v) for v in body]
+    if not isinstance(body, dict):
+        return body
+    out = {k: short_and_greedy(v) for k, v in body.items() if k not in ("ignore_eos", "stream")}
+    if any(k in out for k in TOKEN_LIMITS):
+        out.update({k: 12 for k in TOKEN_LIMITS if k in out}, temperature=0.0)
+    return out
+
+
+def native_forms(engine: str, name: str, served_model: str) -> list[tuple]:
+    """(label, method, path, body, headers) of every way the engine reads an adapter name in
+    a request: the model forms on the OpenAI routes here, and the review's other routes and
+    places (test_attacks.shapes)."""
+    forms = [("model bare", "POST", "/v1/completions", {**COMPLETION, "model": name}, None),
+             ("chat model bare", "POST", "/v1/chat/completions", {**CHAT, "model": name}, None)]
     if engine == "sglang":
         forms += [
-            ("model base:name", "/v1/completions", {**base, "model": f"base:{name}"}),
-            ("model <served>:name", "/v1/completions",
-             {**base, "model": f"{served_model}:{name}"}),
-            ("lora_path", "/v1/completions", {**base, "model": served_model, "lora_path": name}),
-            ("/generate lora_path", "/generate",
+            ("model base:name", "POST", "/v1/completions",
+             {**COMPLETION, "model": f"base:{name}"}, None),
+            ("model <served>:name", "POST", "/v1/completions",
+             {**COMPLETION, "model": f"{served_model}:{name}"}, None),
+            ("chat model base:name", "POST", "/v1/chat/completions",
+             {**CHAT, "model": f"base:{name}"}, None),
+            ("chat lora_path", "POST", "/v1/chat/completions",
+             {**CHAT, "model": served_model, "lora_path": name}, None),
+            ("/generate lora_path", "POST", "/generate",
              {"text": PROMPT, "lora_path": name,
-              "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}),
-            ("/generate lora_path list", "/generate",
-             {"text": [PROMPT], "lora_path": [name],
-              "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}),
+              "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}, None),
+            ("/invocations model bare", "POST", "/invocations", {**CHAT, "model": name}, None),
+            ("/invocations SageMaker header", "POST", "/invocations",
+             {**CHAT, "model": served_model}, {"X-Amzn-SageMaker-Adapter-Identifier": name}),
         ]
-    return forms
+    return forms + [(label, method, url, short_and_greedy(body), headers)
+                    for label, method, url, body, headers in shapes(engine, name, "")]
 
 
-def post(url: str, body: dict) -> tuple[int, object]:
-    """(status, parsed reply): /generate answers a list for a list of prompts."""
-    status, raw, _ = http.exchange("POST", url, json_body=body, headers=AUTH)
+def without_adapter(body, served_model: str):
+    """The same request on the base model: no lora_path anywhere, `model` the served one."""
+    if isinstance(body, list):
+        return [without_adapter(v, served_model) for v in body]
+    if not isinstance(body, dict):
+        return body
+    out = {k: without_adapter(v, served_model) for k, v in body.items() if k != "lora_path"}
+    if "model" in out:
+        out["model"] = served_model
+    return out
+
+
+def send(method: str, url: str, body: dict, headers: dict | None = None) -> tuple[int, object]:
+    """(status, parsed reply)."""
+    status, raw, _ = http.exchange(method, url, json_body=body, headers={**AUTH, **(headers or {})})
     return status, json.loads(raw)
 
 
 def text_of(reply) -> str:
+    """The generated text of any of these routes' replies: OpenAI completions and chat,
+    Anthropic messages, Responses, SGLang's /generate (a list for a list) and Vertex's."""
     if isinstance(reply, list):
-        reply = reply[0]
-    return reply["text"] if "text" in reply else reply["choices"][0]["text"]
+        return text_of(reply[0])
+    for key in ("text", "content"):
+        if isinstance(reply.get(key), str):
+            return reply[key]
+    for key in ("choices", "predictions", "output", "content"):
+        if isinstance(reply.get(key), list) and reply[key]:
+            return text_of(reply[key][0])
+    if isinstance(reply.get("message"), dict):
+        return text_of(reply["message"])
+    raise AssertionError(f"no generated text in {str(reply)[:300]}")
 
 
 def test_no_adapter_name_falls_through_to_the_base_model(server, client, make_adapter,
@@ -121,25 +168,28 @@ def test_no_adapter_name_falls_through_to_the_base_model(server, client, make_ad
         models = http.call("GET", f"{server.url}/v1/models", headers=AUTH)[0]["data"]
         served_model = next(m["id"] for m in models if m.get("parent") is None
                             and m["id"] != name and not m["id"].startswith("native"))
-        reference = {"model": f"base:{name}"} if server.engine == "sglang" else {"model": name}
-        forms = native_forms(server.engine, name, served_model)
-        served_forms = 0
-        for label, path, body in forms:
-            status, reply = post(f"{server.url}{path}", body)
+        reference = f"base:{name}" if server.engine == "sglang" else name
+        served, refused, wrong = [], [], []  # every form is tried: the failures all show
+        for label, method, path, body, headers in native_forms(server.engine, name,
+                                                               served_model):
+            url = f"{server.url}{path}"
+            status, reply = send(method, url, body, headers)
             assert status == 200 or 400 <= status < 500, (label, status, reply)
             if status != 200:
+                refused.append(label)
                 continue
             # The same route without the adapter, and with it named the way known to work.
-            plain = {k: v for k, v in body.items() if k != "lora_path"}
-            if path == "/v1/completions":
-                plain["model"] = served_model
-            base_text = text_of(post(f"{server.url}{path}", plain)[1])
-            assert text_of(reply) != base_text, f"{label}: served by the base model"
-            if path == "/v1/completions":
-                want = text_of(post(f"{server.url}{path}", {**plain, **reference})[1])
-                assert text_of(reply) == want, f"{label}: not the adapter's text"
-            served_forms += 1
-        assert served_forms, "no form served the adapter at all"
+            plain = without_adapter(body, served_model)
+            if text_of(reply) == text_of(send(method, url, plain)[1]):
+                wrong.append(f"{label}: served by the base model")
+            elif "model" in body and text_of(reply) != text_of(
+                    send(method, url, {**plain, "model": reference})[1]):
+                wrong.append(f"{label}: not the adapter's text")
+            else:
+                served.append(label)
+        print(f"{server.engine}: served {served}; refused {refused}")
+        assert not wrong, wrong
+        assert served, "no form served the adapter at all"
         assert server.alive()
     finally:
         client.unload_from_disk(name)

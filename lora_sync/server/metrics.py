@@ -25,9 +25,11 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import weakref
 
+from .. import private_dir
 from ..transports import TRANSPORTS
 
 logger = logging.getLogger("lora_sync")
@@ -234,11 +236,20 @@ class _Snapshot:
     MultiProcessCollector reads) under a name the collector ignores, then renamed over the
     old one, so a scrape reads the old state or the new one, never a mix. 'livesum': the
     collector drops the pid label and sums over processes (one serving process holds the
-    adapters). The file goes when the process exits."""
+    adapters). The file goes when the process exits.
+
+    The directory is shared with the engine and may be shared with other users, and the
+    snapshot's name is predictable; prometheus_client opens the path it is given following
+    links. So a snapshot is written only where no other user can swap our entries (the rule
+    of private_dir.check_root: owned by us or root, sticky if others may write; SGLang's own
+    default is a fresh mkdtemp), else refused with one warning; and it is filled in a file
+    made here with O_EXCL|O_NOFOLLOW under a random name, which prometheus_client reaches
+    through the descriptor's /proc link, never by a name someone else could plant."""
 
     def __init__(self, directory: str):
+        self.directory = directory
         self.path = os.path.join(directory, f"gauge_livesum_lorasync{os.getpid()}.db")
-        self.tmp = self.path[:-3] + ".tmp"   # not *.db: never read half-written
+        self.refused: str | None = None   # why the directory is not private (warned once)
         self.pending = False
         self.written_at = 0.0
         atexit.register(self.remove)
@@ -257,26 +268,49 @@ class _Snapshot:
                         self.write)
 
     def write(self) -> None:
-        from prometheus_client.mmap_dict import MmapedDict, mmap_key
         self.pending = False
         self.written_at = time.monotonic()
+        if not os.path.lexists(self.directory):
+            return  # gone (shutdown): nothing to serve
         try:
-            self._unlink(self.tmp)  # MmapedDict appends to an existing file
-            file = MmapedDict(self.tmp)
+            private_dir.check_root(self.directory,
+                                   f"PROMETHEUS_MULTIPROC_DIR {self.directory!r}")
+        except private_dir.NotPrivate as e:
+            if self.refused is None:
+                logger.warning("lora-sync's state gauges are not written: %s", e)
+            self.refused = str(e)
+            self._unlink(self.path)  # an older snapshot would show a stale state
+            return
+        try:
+            # Not *.db: the collector never reads it half-written.
+            fd, tmp = tempfile.mkstemp(prefix=f"lorasync{os.getpid()}-", suffix=".tmp",
+                                       dir=self.directory)
             try:
-                for name, help_text, labels, samples in state_samples():
-                    for label_values, value in samples:
-                        file.write_value(mmap_key(name, name, list(labels), list(label_values),
-                                                  help_text), float(value), 0.0)
+                self._fill(fd)
+                os.replace(tmp, self.path)
+            except BaseException:
+                self._unlink(tmp)
+                raise
             finally:
-                file.close()
-            os.replace(self.tmp, self.path)
+                os.close(fd)
         except OSError as e:  # the directory went away (shutdown): nothing to serve
             logger.debug("lora-sync metrics snapshot not written: %s", e)
 
+    @staticmethod
+    def _fill(fd: int) -> None:
+        """The state gauges, written by prometheus_client's MmapedDict into the file `fd`."""
+        from prometheus_client.mmap_dict import MmapedDict, mmap_key
+        file = MmapedDict(f"/proc/self/fd/{fd}")  # this very file, whatever is at its name
+        try:
+            for name, help_text, labels, samples in state_samples():
+                for label_values, value in samples:
+                    file.write_value(mmap_key(name, name, list(labels), list(label_values),
+                                              help_text), float(value), 0.0)
+        finally:
+            file.close()
+
     def remove(self) -> None:
         self._unlink(self.path)
-        self._unlink(self.tmp)
 
     @staticmethod
     def _unlink(path: str) -> None:

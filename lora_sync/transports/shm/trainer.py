@@ -26,6 +26,13 @@ def open_lease(lease: Lease) -> int | None:
     if not _LEASE_PATH.fullmatch(lease.path):
         return None
     try:
+        # Before opening: only a regular file without links (a memfd); opening a device or
+        # a FIFO the server's process holds may have effects. Checked again on the
+        # descriptor. No O_NOFOLLOW: /proc/<pid>/fd/<n> is a link by design, resolved by the
+        # kernel to that descriptor's file, never by name.
+        st = os.stat(lease.path)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 0:
+            return None
         fd = os.open(lease.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError:
         return None
