@@ -60,7 +60,8 @@ def _on_tokenizer_manager(tm) -> None:
         model_adapter=partial(engine_api.model_adapter,
                               served_model_name=tm.served_model_name),
         strict_models=True, model_names=frozenset({tm.served_model_name}),
-        cache_key_fields={"extra_key": engine_api.LORA_ID_PREFIX}))
+        cache_key_fields={"extra_key": engine_api.LORA_ID_PREFIX},
+        reads_adapter_header=False))
     app.state.lora_sync = service
     if service.tenancy.enabled:
         engine_api.let_tenant_keys_through(
