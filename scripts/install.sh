@@ -10,6 +10,16 @@ export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 
+# Debian tools the tests use: ip (hosts as network namespaces), unshare (servers in PID
+# namespaces of their own), strace (the local-user test watches what the server touches).
+missing=""
+command -v ip >/dev/null || missing="$missing iproute2"
+command -v unshare >/dev/null || missing="$missing util-linux"
+command -v strace >/dev/null || missing="$missing strace"
+if [ -n "$missing" ]; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing
+fi
+
 SGLANG_LOG="$(mktemp -t lora-sync-install-sglang.XXXXXX)"
 if [ "${LORA_SYNC_NO_SGLANG:-0}" != "1" ]; then
   # The two environments are independent: SGLang's is built beside vLLM's (CI time).

@@ -1,6 +1,7 @@
 """Small helpers shared by the server test suites."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pickle
@@ -49,6 +50,22 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
         time.sleep(0.01)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, from every thread's children (a server's workers, a server
+    run under a wrapper such as unshare)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for children in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(children) as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass  # gone meanwhile
+    return out
 
 
 def retire_if_held(url: str, name: str) -> None:

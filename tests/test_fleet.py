@@ -37,7 +37,7 @@ from lora_sync.transports.shared_copy import MEMFD_PREFIX
 from .conftest import API_KEY
 from .engine_fakes import served_text
 from .fake_server_main import REFUSE_PATH, fake_engine_process, violations
-from .helpers import greedy, retire_if_held, wait_until
+from .helpers import greedy, process_tree, retire_if_held, wait_until
 
 
 @pytest.fixture
@@ -179,26 +179,11 @@ def mixed_fleet():
             s.stop()
 
 
-def _tree(pid: int) -> list[int]:
-    """`pid` and its descendants (a server in its own PID namespace runs under unshare)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for children in glob.glob(f"/proc/{p}/task/*/children"):
-            try:
-                with open(children) as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass  # gone meanwhile
-    return out
-
-
 def shared_files_held(servers) -> list[int]:
     """The processes of the trainer (this one) and of `servers` that hold a shared copy
     open or mapped (other test runs on the host have their own)."""
     held = []
-    for pid in [os.getpid(), *(p for s in servers for p in _tree(s.proc.pid))]:
+    for pid in [os.getpid(), *(p for s in servers for p in process_tree(s.proc.pid))]:
         proc = f"/proc/{pid}"
         try:
             fds = [os.readlink(fd) for fd in glob.glob(f"{proc}/fd/*")]

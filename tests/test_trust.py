@@ -8,35 +8,59 @@
   every form the engine reads a name."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
+import signal
 import stat
+import subprocess
+import time
 
 from lora_sync import http
 
-from .helpers import AUTH, PROMPT, greedy
+from .helpers import AUTH, PROMPT, greedy, process_tree
 from .test_attacks import shapes
 from .test_private_dir import as_nobody, needs_root
 
 SHM = "/dev/shm"
 
 
-def process_tree(pid: int) -> set[int]:
-    pids, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        pids.add(p)
-        try:
-            todo += [int(k) for k in open(f"/proc/{p}/task/{p}/children").read().split()]
-        except OSError:
-            pass
-    return pids
-
-
-def our_entries(pids: set[int]) -> list[str]:
+def our_entries(pids) -> list[str]:
     """lora-sync entries in /dev/shm that carry one of the server's process ids."""
     return sorted(n for n in os.listdir(SHM) if n.startswith("lora-sync")
                   and any(f"-{p}" in n for p in pids))
+
+
+@contextlib.contextmanager
+def paths_named_by(pids, log_path):
+    """Every path the processes `pids` (all their threads, and what they start) name in a
+    file or socket-address syscall while the block runs, traced by strace: the list is
+    filled when the block ends. Sees reads and waits, which leave no trace on disk."""
+    assert shutil.which("strace"), "strace is needed (scripts/install.sh installs it)"
+    cmd = ["strace", "-f", "-qq", "-e", "trace=%file,connect,bind,sendto", "-o",
+           str(log_path)] + [a for p in pids for a in ("-p", str(p))]
+    tracer = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not all(_traced(p) for p in pids):  # attached to every process first
+        assert tracer.poll() is None and time.monotonic() < deadline, "strace did not attach"
+        time.sleep(0.05)
+    paths: list[str] = []
+    try:
+        yield paths
+    finally:
+        tracer.send_signal(signal.SIGINT)  # detaches; the processes go on untraced
+        tracer.wait(timeout=30)
+        paths += re.findall(r'"(/[^"]*)"', log_path.read_text(errors="replace"))
+
+
+def _traced(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("TracerPid:") and line.split()[1] != "0" for line in f)
+    except OSError:
+        return True  # gone: nothing left to attach to
 
 
 @needs_root
@@ -55,14 +79,21 @@ def test_another_local_user_can_neither_steer_nor_reach_the_servers_files(
         assert got.returncode == 0, got.stderr
     try:
         before = our_entries(pids)
-        for i, transport in enumerate(["tensors", "shm", "tensors"]):
-            client.push(make_adapter(seed=4300 + i), "trust", transport=transport)
-        assert greedy(client, "trust")  # served
+        with paths_named_by(pids, tmp_path / "strace.log") as named:
+            for i, transport in enumerate(["tensors", "shm", "tensors"]):
+                client.push(make_adapter(seed=4300 + i), "trust", transport=transport)
+            assert greedy(client, "trust")  # served
         after = our_entries(pids)
         assert after == before, "the server made entries outside its private directory"
         private = [n for n in after if f"{SHM}/{n}" not in planted]
         assert len(private) == 1, after
         path = f"{SHM}/{private[0]}"
+        # Not one read, write, wait or look at the attacker's names or the victim file; every
+        # lora-sync path the server named is inside its own private directory.
+        ours = [p for p in named if p.startswith(f"{SHM}/lora-sync")]
+        assert ours, "the trace saw none of the server's staging (is strace tracing?)"
+        assert [p for p in ours if not p.startswith(path + "/") and p != path] == []
+        assert str(victim) not in named
         st = os.lstat(path)
         assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() \
             and st.st_mode & 0o777 == 0o700
