@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
@@ -202,3 +203,33 @@ def test_self_contained_python_blocks_run(index):
     out = subprocess.run([sys.executable, "-c", PYTHON[index]], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+# -- the short commands, run as written ------------------------------------------------------
+def readme_command(starts: str) -> str:
+    [command] = [c for c in BASH if c.startswith(starts)]
+    return command
+
+
+def test_the_tiny_model_command_builds_a_model(tmp_path):
+    """The install section's model build, as written but into a fresh directory (the README
+    names /tmp/tiny, which a reader's running server may be using)."""
+    command = readme_command(".venv/bin/python -c")
+    assert "'/tmp/tiny'" in command
+    out = subprocess.run(command.replace("'/tmp/tiny'", f"'{tmp_path / 'tiny'}'"), shell=True,
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "tiny" / "config.json").is_file()
+
+
+def test_the_cli_command_answers_from_a_real_server(vllm):
+    """`lora-sync --server URL info` as written, against the session's vLLM server (its URL
+    and admin key in place of the README's)."""
+    command = readme_command("lora-sync ")
+    assert "http://127.0.0.1:8000" in command
+    out = subprocess.run(command.replace("http://127.0.0.1:8000", vllm.url), shell=True,
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LORA_SYNC_API_KEY": vllm.api_key,
+                              "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "vllm" in out.stdout.lower(), out.stdout
