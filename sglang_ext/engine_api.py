@@ -298,9 +298,10 @@ def engine_keys(tm) -> tuple[str | None, str | None]:
 
 def let_tenant_keys_through(own_paths: frozenset, is_tenant_key) -> None:
     """With lora-sync tenants: SGLang's key middleware, in front of ours, knows only its own
-    keys. A tenant's key is let through where lora-sync then decides what it may do: our own
-    routes, and the generation routes (admission admits only the adapters it may use).
-    SGLang's own admin routes still take SGLang's admin key alone."""
+    keys. A key lora-sync knows (a tenant's, or the operator's, which SGLang takes as its
+    admin key only, not on generation routes) is let through where lora-sync then decides
+    what it may do: our own routes, and the generation routes (admission admits only the
+    adapters it may use). SGLang's own admin routes still take SGLang's admin key alone."""
     import importlib
     auth = importlib.import_module("sglang.srt.utils.auth")  # its global is patched
     decide = auth.decide_request_auth

@@ -65,7 +65,7 @@ def _on_tokenizer_manager(tm) -> None:
     app.state.lora_sync = service
     if service.tenancy.enabled:
         engine_api.let_tenant_keys_through(
-            own_paths(PREFIX), lambda header: service.tenancy.resolve(header).kind == "tenant")
+            own_paths(PREFIX), lambda header: service.tenancy.resolve(header).kind != "anonymous")
     # Served by SGLang's /metrics when it runs with --enable-metrics (prometheus_client's
     # multiprocess mode: SGLang set PROMETHEUS_MULTIPROC_DIR before this hook runs).
     metrics.install(service)

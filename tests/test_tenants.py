@@ -2,14 +2,16 @@
 tenants.py), rollback and pinning of an alias. In process on the FAKE engine (engine_fakes.py:
 the real routes, admission, service and dispatcher), then one short test per real engine.
 
-Three tenants share the server with the operator (LORA_SYNC_API_KEY):
+Four tenants share the server with the operator (LORA_SYNC_API_KEY):
   alice  prefix "alice-"                       generate: own
   bob    prefix "bob-"                         generate: own
   carol  prefix "carol-" and the name "shared-eval"   generate: all
+  dave   prefix "dave-"                        generate: base
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import textwrap
 import threading
@@ -19,26 +21,31 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lora_sync import LoRASyncClient, LoRASyncError, http
 from lora_sync.server.tenants import Tenancy, load_tenants
 
-from .conftest import API_KEY, PROMPT, SERVER_ENV
-from .engine_fakes import FakeEngineServer, served_text, settings_like_test_servers
+from .conftest import API_KEY, GENERATION_KEY, PROMPT, SERVER_ENV
+from .engine_fakes import BASE_MODEL, BASE_TEXT, FakeEngineServer, served_text, \
+    settings_like_test_servers
 from .helpers import wait_until
 
-KEYS = {"alice": "key-alice", "bob": "key-bob", "carol": "key-carol", "operator": API_KEY}
+KEYS = {"alice": "key-alice", "bob": "key-bob", "carol": "key-carol", "dave": "key-dave",
+        "operator": API_KEY}
+LEVELS = {"alice": "own", "bob": "own", "carol": "all", "dave": "base"}
 QUOTA_NAMES, QUOTA_LEASES, KEEP = 2, 2, 2
+STAGING, PUSH_RATE = 3 * 2 ** 19, 10_000  # max_staging_mb = 1.5; the rate: out of the way
+SAGEMAKER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 
 
 def sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def tenants_toml(pushes_per_minute: int = 10_000) -> str:
-    quotas = (f"max_names = {QUOTA_NAMES}\nkeep_versions = {KEEP}\nmax_staging_mb = 1.5\n"
-              f"max_leases = {QUOTA_LEASES}\nmax_groups = 1\n"
+def tenants_toml(pushes_per_minute: int = PUSH_RATE) -> str:
+    quotas = (f"max_names = {QUOTA_NAMES}\nkeep_versions = {KEEP}\n"
+              f"max_staging_mb = {STAGING / 2 ** 20}\nmax_leases = {QUOTA_LEASES}\nmax_groups = 1\n"
               f"pushes_per_minute = {pushes_per_minute}\n")
     return textwrap.dedent(f"""\
         # three training runs on one fleet
@@ -56,6 +63,11 @@ def tenants_toml(pushes_per_minute: int = 10_000) -> str:
         prefix = "carol-"
         names = ["shared-eval"]
         generate = "all"
+        """) + quotas + textwrap.dedent(f"""
+        [tenants.dave]
+        key_sha256 = "{sha(KEYS['dave'])}"
+        prefix = "dave-"
+        generate = "base"
         """) + quotas
 
 
@@ -105,10 +117,38 @@ def post(server, route: str, who: str, body: dict):
     return http.request("POST", route_url(server, route), headers=auth(who), json_body=body)
 
 
-def complete(server, who: str, model: str, headers=None, **extra):
-    return http.request("POST", f"{server.url}/v1/completions",
-                        headers={**auth(who), **(headers or {})},
-                        json_body={"model": model, "prompt": PROMPT, "max_tokens": 4, **extra})
+# Generation routes (the fake engine serves completions only; admission reads them all).
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/invocations")
+
+
+def complete(server, who: str, model: str, headers=None, route="/v1/completions", **extra):
+    """A generation request naming `model`, on `route` (a chat, and SGLang's /invocations:
+    the prompt as a message)."""
+    chat = "chat" in route or (route == "/invocations" and server.engine == "sglang")
+    prompt = {"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT}
+    return http.request("POST", f"{server.url}{route}", headers={**auth(who), **(headers or {})},
+                        json_body={"model": model, **prompt, "max_tokens": 4, **extra})
+
+
+def cancel(server, granted: list) -> None:
+    """Cancels leases, each given as (who, its lora_sync_lease reply)."""
+    for who, lease in granted:
+        post(server, "lora_sync_lease_cancel", who, {k: lease[k] for k in ("lease_id", "token")})
+
+
+def set_up_group(server, who: str, name: str):
+    """A group's set-up as init_group() asks it, for a refusal: no rendezvous waits on it
+    (a trainer's would outlive the test)."""
+    return post(server, "init_lora_update_group", who,
+                {"group_name": name, "master_address": "127.0.0.1", "master_port": 1,
+                 "rank_offset": 1, "world_size": 2})
+
+
+def listed_models(server, who: str) -> set[str]:
+    """The ids of the engine's GET /v1/models for `who`."""
+    status, body, _ = http.request("GET", f"{server.url}/v1/models", headers=auth(who))
+    assert status == 200, body
+    return {m["id"] for m in body["data"]}
 
 
 def names_seen(server, who: str) -> set[str]:
@@ -207,7 +247,8 @@ def test_tenants_need_the_operators_key(tmp_path):
 
 def test_the_example_file_loads(tmp_path):
     tenants = load_tenants(write_tenants(tmp_path, tenants_toml()), API_KEY)
-    assert [t.name for t in tenants] == ["alice", "bob", "carol"]
+    assert [t.name for t in tenants] == ["alice", "bob", "carol", "dave"]
+    assert [t.generate for t in tenants] == [LEVELS[t.name] for t in tenants]
     carol = tenants[2]
     assert carol.covers("shared-eval") and carol.covers("carol-x") and carol.covers("CAROL-x")
     assert not carol.covers("carolx") and not carol.covers("shared-eval2")
@@ -246,13 +287,17 @@ def test_a_tenants_key_on_another_tenants_names_gets_not_found_everywhere(shared
                           {"lora_name": name, "version": 1})) == absent_reply
     with client(shared, "alice") as alice:
         for name in ("bob-policy", "BOB-policy"):
-            for transport in ("tensors", "shm"):
+            for transport in ("tensors", "shm", "shared", "broadcast"):
+                if transport == "broadcast":  # in a group of alice's (a refusal ends it)
+                    alice.init_group(timeout_s=10)
                 with pytest.raises(LoRASyncError) as e:
                     alice.push(adapters[2], name, transport=transport)
-                assert (e.value.status, e.value.code) == absent_reply
+                assert (e.value.status, e.value.code) == absent_reply, transport
+            alice.destroy_group()
         assert "bob-policy" not in {a["name"] for a in alice.adapters()[0]["adapters"]}
-    # generation: alias, version, case variants, lora_path, SageMaker header; a name that is
-    # not there gets the very same reply
+    # generation, on every route admission reads (chat and SageMaker's /invocations too:
+    # refused before the engine, which here serves completions only): alias, version, case
+    # variants, lora_path, SageMaker header; a name that is not there gets the same reply
     nobody = error(complete(shared, "alice", "bob-nothing-at-all"))
     assert nobody == (404, "model_not_found")
     for model, extra, headers in [
@@ -261,15 +306,20 @@ def test_a_tenants_key_on_another_tenants_names_gets_not_found_everywhere(shared
             ("base", {"lora_path": "bob-policy"}, None),
             ("base", {"lora_path": ["bob-policy-v2"]}, None),
             ("base", {"parameters": {"lora_path": "bob-policy"}}, None),
-            ("base", {}, {"X-Amzn-SageMaker-Adapter-Identifier": "bob-policy"})]:
+            ("base", {}, {SAGEMAKER_HEADER: "bob-policy"})]:
         for who in ("alice", "nobody-key", ""):
-            assert error(complete(shared, who, model, headers, **extra)) == nobody, \
-                (who, model, extra)
-    # the engine's own adapter routes are the operator's
-    assert error(post(shared, "load_lora_adapter", "alice",
-                      {"lora_name": "x", "lora_path": "/tmp"})) == (403, "forbidden")
-    assert error(post(shared, "unload_lora_adapter", "alice",
-                      {"lora_name": "bob-policy-v1"}))[0] == 403
+            for route in GENERATION_ROUTES:
+                assert error(complete(shared, who, model, headers, route, **extra)) == nobody, \
+                    (who, model, extra, route)
+    # the engine's own adapter routes (vLLM's, and SageMaker's /adapters) are the operator's
+    for method, path, body in [
+            ("POST", "/v1/load_lora_adapter", {"lora_name": "bob-x", "lora_path": "/tmp"}),
+            ("POST", "/v1/unload_lora_adapter", {"lora_name": "bob-policy-v1"}),
+            ("POST", "/adapters", {"name": "bob-policy", "src": "/tmp"}),
+            ("DELETE", "/adapters/bob-policy-v1", None), ("DELETE", "/adapters/bob-policy", None)]:
+        reply = http.request(method, f"{shared.url}{path}", headers=auth("alice"),
+                             json_body=body)
+        assert error(reply) == (403, "forbidden"), (method, path, reply)
     # /v1/models: bob's names are not listed to alice or to no key
     for who in ("alice", ""):
         status, body, _ = http.request("GET", f"{shared.url}/v1/models", headers=auth(who))
@@ -285,6 +335,79 @@ def test_a_tenants_key_on_another_tenants_names_gets_not_found_everywhere(shared
     assert complete(shared, "carol", "bob-policy")[0] == 200
     assert "bob-policy" not in names_seen(shared, "carol")
     assert "bob-policy" in names_seen(shared, "operator")
+
+
+def test_a_tenants_key_opens_the_route_the_engines_key_does_not_guard(tmp_path, make_adapter):
+    """vLLM's /invocations is outside its --api-key middleware, so admission asks for a key
+    there: a tenant's key opens it as it opens the guarded routes (within its generate
+    level), no key or a wrong one gets 401, and the engine's own key the names outside every
+    scope. (The pushes are the operator's: the fake's stand-in for vLLM's middleware knows
+    no tenants; the real vLLM tenant server is started with --api-key for that.)"""
+    server = FakeEngineServer(settings=tenant_settings(write_tenants(tmp_path, tenants_toml())),
+                              engine_keys=(GENERATION_KEY,))
+    completions = next(r.endpoint for r in server.app.routes
+                       if getattr(r, "path", None) == "/v1/completions")
+    server.app.add_api_route("/invocations", completions, methods=["POST"])  # as vLLM's does
+    a, b = make_adapter(seed=4800), make_adapter(seed=4801)
+
+    def invoke(key: str, model: str, header: bool = False):
+        return complete(server, key, BASE_MODEL if header else model,
+                        {SAGEMAKER_HEADER: model} if header else None, "/invocations")
+    with server, client(server, "operator") as op:
+        op.push(a, "alice-inv", transport="tensors")
+        op.push(b, "op-inv", transport="tensors")
+        status, body, headers = invoke("alice", "alice-inv")
+        assert status == 200 and body["choices"][0]["text"] == served_text(a), body
+        assert headers["x-lora-version"] == "1"
+        assert invoke("alice", "alice-inv", header=True)[2]["x-lora-version"] == "1"
+        for who, model in (("alice", "op-inv"), ("carol", "alice-inv"), (GENERATION_KEY, "op-inv"),
+                           ("operator", "alice-inv")):
+            assert invoke(who, model)[0] == 200, (who, model)
+        for who, model in (("bob", "alice-inv"), ("dave", "alice-inv"), ("dave", "op-inv"),
+                           (GENERATION_KEY, "alice-inv")):
+            assert error(invoke(who, model)) == (404, "model_not_found"), (who, model)
+        for who in ("", "wrong-key", KEYS["alice"] + "x"):
+            assert error(invoke(who, "op-inv")) == (401, "unauthorized"), who
+        clear(server)
+
+
+def test_generate_base_means_the_base_model_alone(shared, adapters, tmp_path):
+    """dave's key (generate = "base") generates with the base model only: not on its own
+    names, nor the operator's outside every scope, nor an adapter the engine loaded itself,
+    in any form (each answered as a name that is not served); /v1/models lists it the model
+    alone. alice (own) gets her names and those outside every scope; no key: the latter."""
+    adapters[0].save(tmp_path / "disk")
+    with client(shared, "operator") as op, client(shared, "dave") as dave:
+        op.push(adapters[1], "op-open", transport="tensors")
+        op.load_from_disk(tmp_path / "disk", "engine-own")
+        dave.push(adapters[2], "dave-x", transport="tensors")  # pushed for others to use
+        try:
+            status, body, _ = complete(shared, "dave", BASE_MODEL)
+            assert status == 200 and body["choices"][0]["text"] == BASE_TEXT
+            nobody = error(complete(shared, "dave", "dave-nothing"))
+            assert nobody == (404, "model_not_found")
+            for model, extra, headers in [
+                    ("dave-x", {}, None), ("dave-x-v1", {}, None), ("op-open", {}, None),
+                    ("op-open-v1", {}, None), ("engine-own", {}, None),
+                    (BASE_MODEL, {"lora_path": "op-open"}, None),
+                    (BASE_MODEL, {"lora_path": [BASE_MODEL, "engine-own"]}, None),
+                    (BASE_MODEL, {"parameters": {"lora_path": "dave-x"}}, None),
+                    (BASE_MODEL, {}, {SAGEMAKER_HEADER: "op-open-v1"}),
+                    (BASE_MODEL, {}, {SAGEMAKER_HEADER: "engine-own"})]:
+                assert error(complete(shared, "dave", model, headers, **extra)) == nobody, \
+                    (model, extra, headers)
+            assert listed_models(shared, "dave") == {BASE_MODEL}
+            for who, model, text in (("alice", "op-open", served_text(adapters[1])),
+                                     ("alice", "engine-own", served_text(adapters[0])),
+                                     ("", "op-open", served_text(adapters[1])),
+                                     ("carol", "dave-x", served_text(adapters[2])),
+                                     ("operator", "dave-x", served_text(adapters[2]))):
+                status, body, _ = complete(shared, who, model)
+                assert status == 200 and body["choices"][0]["text"] == text, (who, model, body)
+            assert listed_models(shared, "alice") == {BASE_MODEL, "op-open-v1", "engine-own"}
+            assert "dave-x-v1" in listed_models(shared, "carol")
+        finally:
+            op.unload_from_disk("engine-own")
 
 
 def test_a_timing_probe_learns_nothing(shared, adapters):
@@ -394,35 +517,46 @@ def test_push_rate_quota(tmp_path, make_adapter):
 
 
 def test_a_broadcast_group_is_its_tenants_alone(shared, adapters):
-    """Groups are named in their tenant's scope: bob cannot name alice's group, token or
-    not (the reply of a group that does not exist), nor take her group quota."""
+    """Groups are named in their tenant's scope, where init_group() names one by default. A
+    name outside it is refused naming the caller's own scope only, alike for a group that
+    exists and one that does not; bob cannot name alice's group, token or not (the reply of a
+    group that does not exist), nor take her group quota."""
     with client(shared, "alice") as alice, client(shared, "bob") as bob:
-        with pytest.raises(LoRASyncError) as e:
-            alice.init_group(timeout_s=10)  # "default": in nobody's scope
-        assert e.value.code == "no_group"
-        group = alice.init_group(group_name="alice-g", timeout_s=10)
+        group = alice.init_group(timeout_s=10)
+        assert group.name == "alice-default"
         token = group.tokens[shared.url]
+        messages = set()
+        for name in ("alice-default", "alice-nothing", "default"):
+            status, body, _ = set_up_group(shared, "bob", name)
+            assert (status, body["error"]["code"]) == (400, "no_group"), body
+            message = body["error"]["message"].replace(repr(name), "NAME")
+            assert "'bob-'" in message and "alice" not in message, message
+            messages.add(message)
+        assert len(messages) == 1, messages  # alice's group or none: one reply
         for route, body in [("destroy_lora_update_group", {}),
                             ("load_lora_adapter_from_distributed",
                              {"lora_name": "bob-x", "tensors": [], "transfer_id": 1})]:
-            assert error(post(shared, route, "bob", {**body, "group_name": "alice-g",
+            assert error(post(shared, route, "bob", {**body, "group_name": "alice-default",
                                                      "group_token": token})) == (400, "no_group")
-        assert error(post(shared, "init_lora_update_group", "bob",
-                          {"group_name": "alice-g", "master_address": "127.0.0.1",
-                           "master_port": 1, "rank_offset": 1, "world_size": 2})) == \
-            (400, "no_group")
-        with pytest.raises(LoRASyncError) as e:
-            LoRASyncClient(shared.url, api_key=KEYS["alice"], timeout=30,
-                           lease_ahead=False).init_group(group_name="alice-h", timeout_s=10)
-        assert (e.value.status, e.value.code) == (429, "quota_groups")
+        assert error(set_up_group(shared, "alice", "alice-h")) == (429, "quota_groups")
         alice.broadcast(adapters[0], "alice-b")
-        bob.init_group(group_name="bob-g", timeout_s=10)
+        assert bob.init_group(timeout_s=10).name == "bob-default"
         bob.broadcast(adapters[1], "bob-b")
-        assert client(shared, "bob").info()[0]["worker_status"][0]["groups"] == ["bob-g"]
+        assert client(shared, "bob").info()[0]["worker_status"][0]["groups"] == ["bob-default"]
         bob.destroy_group()
         alice.destroy_group()
     assert complete(shared, "alice", "alice-b")[1]["choices"][0]["text"] == \
         served_text(adapters[0])
+
+
+def test_the_default_group_name_is_in_the_callers_scope():
+    from lora_sync.trainer.client import default_group_name
+    tenant = {"prefix": None, "names": ["x-eval", "a-eval"]}
+    assert default_group_name([{}, {}]) == "default"
+    assert default_group_name([{"tenant": tenant}]) == "a-eval"
+    assert default_group_name([{"tenant": {**tenant, "prefix": "x."}}] * 2) == "x.default"
+    with pytest.raises(ValueError, match="group_name"):
+        default_group_name([{"tenant": tenant}, {}])
 
 
 # -- rollback and pinning ----------------------------------------------------------------------
@@ -453,51 +587,68 @@ def test_rollback_points_the_alias_and_the_next_push_moves_it(shared, adapters):
         assert alice.complete(PROMPT, "alice-rl")["version"] == 5
 
 
-def test_rollback_is_atomic_under_load(shared, adapters):
-    """Requests on the alias run without pause while it is pointed back and forth between
-    two versions: none fails, each reply is its version's weights, and every request sent
-    after a rollback's reply (and answered before the next rollback was sent) got its
-    target."""
-    with client(shared, "alice") as alice:
-        alice.push(adapters[0], "alice-live", transport="tensors")
-        alice.push(adapters[1], "alice-live", transport="tensors")
-    texts = {1: served_text(adapters[0]), 2: served_text(adapters[1])}
-    records, stop = [], threading.Event()
-    lock = threading.Lock()
+def rollbacks_under_load(server, name: str, texts: dict[int, str], threads: int, flips: int,
+                         pause_s: float, max_requests: int, **extra) -> dict:
+    """alice's requests on her alias `name` (at v2), from `threads` threads (`max_requests`
+    each at most), while her rollbacks point it at v1 and v2 in turn, `flips` times,
+    `pause_s` apart. Returns the counts: requests, rollbacks, requests in flight across a
+    rollback, failed (not a 200) and wrong:
+    replies whose X-LoRA-Version was at no moment of the request the alias target (a
+    target holds from its rollback's sending, at the earliest, to the next rollback's
+    reply, at the latest), or whose tokens are not that version's (`texts`)."""
+    records, lock, stop = [], threading.Lock(), threading.Event()
 
     def load():
-        while not stop.is_set():
+        for _ in range(max_requests):
+            if stop.is_set():
+                return
             t0 = time.monotonic()
-            status, body, headers = complete(shared, "alice", "alice-live", fake_delay_s=0.01)
-            version = headers.get("x-lora-version")
-            ok = status == 200 and version in ("1", "2") \
-                and body["choices"][0]["text"] == texts[int(version)]
+            status, body, headers = complete(server, "alice", name, temperature=0, **extra)
             with lock:
-                records.append((t0, time.monotonic(), int(version) if ok else None))
-    flips = []
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(load) for _ in range(8)]
-        time.sleep(0.3)
-        with client(shared, "alice") as alice:
-            for i in range(12):
-                target = 1 if i % 2 == 0 else 2
-                t0 = time.monotonic()
-                alice.rollback("alice-live", target)
-                flips.append((t0, time.monotonic(), target))
-                time.sleep(0.15)
+                records.append((t0, time.monotonic(), status, body, headers))
+    targets, replied = [(-math.inf, 2)], []  # (rollback sent, its target); its reply's time
+    with ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(load) for _ in range(threads)]
+        time.sleep(pause_s)
+        with client(server, "alice") as alice:
+            for i in range(flips):
+                sent = time.monotonic()
+                alice.rollback(name, 1 if i % 2 == 0 else 2)
+                targets.append((sent, 1 if i % 2 == 0 else 2))
+                replied.append(time.monotonic())
+                time.sleep(pause_s)
         stop.set()
         for f in futures:
             f.result()
-    failed = [r for r in records if r[2] is None]
-    wrong = 0
-    for k, (_, replied, target) in enumerate(flips):
-        next_call = flips[k + 1][0] if k + 1 < len(flips) else float("inf")
-        # sent after this rollback's reply, answered before the next one was sent
-        wrong += sum(1 for t0, t1, v in records if replied < t0 and t1 < next_call
-                     and v != target)
-    print(f"rollback under load: {len(records)} requests, {len(flips)} rollbacks, "
-          f"{len(failed)} failed, {wrong} on a stale target")
-    assert len(records) > 100 and not failed and wrong == 0
+    until = replied + [math.inf]
+
+    def good(t0, t1, status, body, headers) -> bool:
+        version = headers.get("x-lora-version", "")
+        held = {str(v) for (sent, v), end in zip(targets, until) if sent <= t1 and end >= t0}
+        return version in held and body["choices"][0]["text"] == texts[int(version)]
+    counts = {"requests": len(records), "rollbacks": flips,
+              # in flight while a rollback was being made
+              "across_a_rollback": sum(1 for r in records if any(
+                  sent <= r[1] and r[0] <= end for (sent, _), end in zip(targets[1:], replied))),
+              "failed": sum(1 for r in records if r[2] != 200),
+              "wrong": sum(1 for r in records if r[2] == 200 and not good(*r))}
+    print(f"rollback under load ({server.engine}, {threads} threads): {counts}")
+    return counts
+
+
+def test_rollback_is_atomic_under_load(shared, adapters):
+    """Requests on the alias run without pause while it is pointed back and forth between
+    two versions: none fails, and each reply is of a version that was the alias target
+    during the request, with that version's weights."""
+    with client(shared, "alice") as alice:
+        alice.push(adapters[0], "alice-live", transport="tensors")
+        alice.push(adapters[1], "alice-live", transport="tensors")
+    counts = rollbacks_under_load(shared, "alice-live", {1: served_text(adapters[0]),
+                                                         2: served_text(adapters[1])},
+                                  threads=8, flips=12, pause_s=0.15, max_requests=10_000,
+                                  fake_delay_s=0.01)
+    assert counts["requests"] > 100 and counts["across_a_rollback"] > 12, counts
+    assert counts["failed"] == counts["wrong"] == 0, counts
 
 
 def test_cli_rollback_and_ls_show_the_callers_view(shared, adapters, capsys):
@@ -531,17 +682,32 @@ def test_without_a_tenants_file_nothing_changes(fake_server, fake_client, adapte
 
 
 # -- the invariant fuzz ------------------------------------------------------------------------
-WHO = ("alice", "bob", "carol", "operator")
-NAMES = ("alice-a", "alice-b", "alice-c", "bob-a", "carol-a", "shared-eval", "op-a",
+WHO = ("alice", "bob", "carol", "dave", "operator")
+NAMES = ("alice-a", "alice-b", "alice-c", "bob-a", "carol-a", "dave-a", "shared-eval", "op-a",
          "alice_a", "alicea", "shared-eval2", "BOB-a")  # the last four: just outside a scope
+# Keys of no tenant: none, a wrong one, and the engine's own generation key (on a server
+# started with --api-key it generates on the names outside every scope, as before tenants).
+NOBODY = ("", "wrong-key", GENERATION_KEY)
+# Where a generation request names the adapter: `model` (the alias, or the alias target's
+# -v<N>), `lora_path`, the SageMaker header.
+FORMS = ("model", "versioned", "lora_path", "sagemaker")
+# Groups set up by the fuzz; None: init_group()'s default name, in the caller's scope.
+GROUPS = (None, "default", "alice-g", "bob-g", "carol-x")
+
+
+def in_process(machine) -> bool:
+    return not machine.over_http
 
 
 class SharedServer(RuleBasedStateMachine):
-    """Random operations by three tenants and the operator; the model says what each
+    """Random operations by four tenants and the operator; the model says what each
     should see, and every reply and listing is checked against it. On the fake engine;
-    RealSharedServer runs the same rules on a real server, over HTTP only."""
+    RealSharedServer runs the same rules on a real server, over HTTP only (the rules marked
+    `in_process` look inside the fake, or cost a real server too much time)."""
     server: FakeEngineServer = None
     adapters: list = []
+    over_http = False
+    engine_key: str | None = None  # the engine's own --api-key, when it has one
 
     def __init__(self):
         super().__init__()
@@ -572,28 +738,23 @@ class SharedServer(RuleBasedStateMachine):
     def check_quotas(self) -> None:
         for tenant in self.tenancy.tenants.values():
             usage = self.server.service.usage(tenant)
-            assert usage["names"] <= tenant.quotas.names
-            assert usage["leases"] <= tenant.quotas.leases
-            assert usage["staging_bytes"] <= tenant.quotas.staging_bytes
+            for quota in ("names", "leases", "staging_bytes", "groups"):
+                assert usage[quota] <= getattr(tenant.quotas, quota), (tenant.name, usage)
         assert not self.server.bridge.violations, self.server.bridge.violations
 
-    @rule(who=st.sampled_from(WHO), name=st.sampled_from(NAMES),
-          transport=st.sampled_from(["tensors", "shm"]), pick=st.integers(0, 5))
-    def push(self, who, name, transport, pick):
+    def pushed(self, who: str, name: str, pick: int, send) -> None:
+        """`send()` pushes adapter `pick` as `name` with `who`'s key, by any transport: its
+        reply (or refusal) is checked against the model, and the model follows it."""
         owned = [n for n in self.versions if self.owner(n) == self.owner(name)]
-        with client(self.server, who) as c:
-            try:
-                [r] = c.push(self.adapters[pick], name, transport=transport)
-            except LoRASyncError as e:
-                if not self.sees(who, name):
-                    assert (e.status, e.code) == (404, "not_found"), e
-                else:
-                    assert self.owner(name) and name not in self.versions and \
-                        len(owned) >= QUOTA_NAMES, e
-                    assert (e.status, e.code) == (429, "quota_names")
-                return
-        assert self.sees(who, name)
-        assert not (self.owner(name) and name not in self.versions and len(owned) >= QUOTA_NAMES)
+        over = bool(self.owner(name)) and name not in self.versions and len(owned) >= QUOTA_NAMES
+        try:
+            [r] = send()
+        except LoRASyncError as e:
+            expected = (404, "not_found") if not self.sees(who, name) else \
+                (429, "quota_names") if over else None
+            assert (e.status, e.code) == expected, (who, name, e)
+            return
+        assert self.sees(who, name) and not over, (who, name)
         held = self.versions.setdefault(name, {})
         assert r.name == f"{name}-v{r.version}" and r.version > max(held, default=0)
         held[r.version] = pick
@@ -603,6 +764,42 @@ class SharedServer(RuleBasedStateMachine):
         for v in list(held):
             if v not in window and not (name in self.pinned and v == self.alias[name]):
                 del held[v]
+
+    @rule(who=st.sampled_from(WHO), name=st.sampled_from(NAMES),
+          transport=st.sampled_from(["tensors", "shm", "shared"]), pick=st.integers(0, 5))
+    def push(self, who, name, transport, pick):
+        with client(self.server, who) as c:
+            self.pushed(who, name, pick,
+                        lambda: c.push(self.adapters[pick], name, transport=transport))
+
+    @precondition(in_process)
+    @rule(who=st.sampled_from(WHO), group=st.sampled_from(GROUPS), name=st.sampled_from(NAMES),
+          pick=st.integers(0, 5), thief=st.sampled_from(("alice", "bob")))
+    def broadcast(self, who, group, name, pick, thief):
+        """`who` sets up a group (in its scope, or refused naming the scope), is refused a
+        second one by its group quota, `thief` cannot end it even with its token, and `name`
+        is pushed by broadcast in it; the group ends with the step."""
+        group_name = group or (f"{who}-default" if who in LEVELS else "default")
+        if not self.sees(who, group_name):  # refused before any rendezvous
+            status, body, _ = set_up_group(self.server, who, group_name)
+            assert (status, body["error"]["code"]) == (400, "no_group"), body
+            assert (who in LEVELS) == ("scope" in body["error"]["message"]), body
+            return
+        with client(self.server, who) as c:
+            made = c.init_group(group_name=group, timeout_s=10)
+            assert made.name == group_name
+            try:
+                if who in LEVELS:
+                    reply = set_up_group(self.server, who, f"{who}-second")
+                    assert error(reply) == (429, "quota_groups"), reply
+                if not self.sees(thief, group_name):
+                    reply = post(self.server, "destroy_lora_update_group", thief,
+                                 {"group_name": group_name,
+                                  "group_token": made.tokens[self.server.url]})
+                    assert error(reply) == (400, "no_group"), reply
+                self.pushed(who, name, pick, lambda: c.broadcast(self.adapters[pick], name))
+            finally:
+                c.destroy_group()
 
     @rule(who=st.sampled_from(WHO), name=st.sampled_from(NAMES))
     def retire(self, who, name):
@@ -636,23 +833,40 @@ class SharedServer(RuleBasedStateMachine):
             if pin:
                 self.pinned.add(name)
 
-    @rule(who=st.sampled_from(WHO + ("", "wrong-key")), name=st.sampled_from(NAMES),
-          versioned=st.booleans())
-    def generate(self, who, name, versioned):
+    @rule(who=st.sampled_from(WHO + NOBODY), name=st.sampled_from(NAMES),
+          form=st.sampled_from(FORMS))
+    def generate(self, who, name, form):
         target = self.alias.get(name)
-        model = f"{name}-v{target}" if versioned and target else name
-        status, body, headers = complete(self.server, who, model, temperature=0)
-        owner = self.owner(name)
-        level = {"alice": "own", "bob": "own", "carol": "all"}.get(who)
-        allowed = who == "operator" or (owner is None) or level == "all" or owner == who
-        if target is None or not allowed:
-            assert status == 404, (who, model, status, body)
-            if owner is not None and not allowed:  # never a hint that it exists
-                assert body["error"]["code"] == "model_not_found"
+        model = f"{name}-v{target}" if form == "versioned" and target else name
+        if form == "lora_path":
+            reply = complete(self.server, who, BASE_MODEL, lora_path=model, temperature=0)
+        elif form == "sagemaker":
+            reply = complete(self.server, who, BASE_MODEL, {SAGEMAKER_HEADER: model},
+                             temperature=0)
+        else:
+            reply = complete(self.server, who, model, temperature=0)
+        status, body, headers = reply
+        if self.engine_key and who in NOBODY and who != self.engine_key:
+            assert status == 401, (who, model, reply)  # the engine's key middleware
             return
-        assert status == 200, (who, model, body)
+        if form == "sagemaker" and self.server.engine == "sglang":  # a header it never reads
+            assert error(reply) == (400, "bad_request"), reply
+            return
+        owner, level = self.owner(name), LEVELS.get(who)
+        allowed = who == "operator" or level == "all" or \
+            (level in ("own", None) and owner is None) or (level == "own" and owner == who)
+        if not allowed and (owner is not None or target is not None):
+            # never a hint that it exists
+            assert (status, error(reply)[1]) == (404, "model_not_found"), (who, model, reply)
+            return
+        if target is None:  # not there (retired, or never pushed); unscoped: the engine's
+            assert "x-lora-version" not in headers and (status == 404 or owner is None and form
+                                                        in ("lora_path", "sagemaker")), reply
+            return
+        assert status == 200, (who, model, form, body)
         assert headers["x-lora-version"] == str(target)
-        self.check_text(name, target, body["choices"][0]["text"])
+        if form in ("model", "versioned"):  # the other forms: the engine may read `model`
+            self.check_text(name, target, body["choices"][0]["text"])
 
     @rule(who=st.sampled_from(("alice", "bob", "carol")), other=st.sampled_from(("alice", "bob")))
     def leases_to_the_quota(self, who, other):
@@ -676,9 +890,50 @@ class SharedServer(RuleBasedStateMachine):
                 assert error(post(self.server, "lora_sync_lease_cancel", other, ticket)) == \
                     (404, "unknown_lease")
         finally:
-            for owner, lease in granted:
-                post(self.server, "lora_sync_lease_cancel", owner,
-                     {k: lease[k] for k in ("lease_id", "token")})
+            cancel(self.server, granted)
+
+    @rule(who=st.sampled_from(("alice", "dave")), held=st.sampled_from((4096, STAGING // 2)))
+    def staging_to_the_quota(self, who, held):
+        """A lease holding `held` bytes of `who`'s max_staging_mb, then one of a page more
+        than what is left (429 quota_staging) and one of exactly what is left (granted):
+        the quota is reached, never passed."""
+        granted = []
+        try:
+            for nbytes, code in ((held, None), (STAGING - held + 4096, "quota_staging"),
+                                 (STAGING - held, None)):
+                reply = post(self.server, "lora_sync_lease", who, {"nbytes": nbytes})
+                if code is None:
+                    assert reply[0] == 200, reply
+                    granted.append((who, reply[1]))
+                else:
+                    assert error(reply) == (429, code), reply
+        finally:
+            cancel(self.server, granted)
+
+    @precondition(in_process)
+    @rule(who=st.sampled_from(("alice", "bob")), other=st.sampled_from(("bob", "carol")))
+    def pushes_to_the_rate(self, who, other):
+        """`who` one push short of its pushes_per_minute: one more push starts (an shm
+        lease: a push's first step), the next gets 429 quota_pushes, and `other` still
+        pushes. (The minute is filled in the fake's ledger: the rate is set high for the
+        other rules.)"""
+        times = self.server.service.tenancy.pushes[who]
+        kept = list(times)
+        times.clear()
+        times.extend([time.monotonic()] * (PUSH_RATE - 1))
+        granted = []
+        try:
+            for caller, status in [(who, 200), (who, 429)] + [(other, 200)] * (other != who):
+                reply = post(self.server, "lora_sync_lease", caller, {"nbytes": 4096})
+                if status == 200:
+                    assert reply[0] == 200, reply
+                    granted.append((caller, reply[1]))
+                else:
+                    assert error(reply) == (429, "quota_pushes"), reply
+        finally:
+            times.clear()
+            times.extend(kept)
+            cancel(self.server, granted)
 
     @rule(key=st.sampled_from(["", "wrong", KEYS["alice"] + " ", sha(KEYS["alice"])]))
     def wrong_key(self, key):
@@ -691,9 +946,10 @@ class SharedServer(RuleBasedStateMachine):
     @invariant()
     def listings_are_each_callers_view(self):
         for who in WHO:
-            with client(self.server, who) as c:
-                listing = c.adapters()[0]["adapters"]
-            seen = {a["name"]: a for a in listing}
+            status, listing, _ = http.request("GET", route_url(self.server, "lora_adapters"),
+                                              headers=auth(who))
+            assert status == 200, listing
+            seen = {a["name"]: a for a in listing["adapters"]}
             expected = {n for n in self.versions if self.sees(who, n)}
             assert set(seen) == expected, (who, set(seen), expected)
             for name in expected:
@@ -714,6 +970,7 @@ class RealSharedServer(SharedServer):
     tokens compared with what the same adapter generated before (greedy, one request at a
     time: the real tokens are not known ahead)."""
     texts: dict[int, str] = {}  # adapter index -> its greedy completion on this server
+    over_http = True
 
     @initialize()
     def a_name_each(self):
@@ -722,7 +979,7 @@ class RealSharedServer(SharedServer):
         for who, name, pick in (("alice", "alice-a", 0), ("bob", "bob-a", 1),
                                 ("operator", "op-a", 2)):
             self.push(who, name, "tensors", pick)
-            self.generate(who, name, False)
+            self.generate(who, name, "model")
             assert self.versions[name] and pick in self.texts
 
     def tenancy_of_server(self) -> Tenancy:
@@ -733,7 +990,7 @@ class RealSharedServer(SharedServer):
         assert self.texts.setdefault(pick, text) == text, (name, version, pick, self.texts)
 
     def check_quotas(self) -> None:
-        for who in ("alice", "bob", "carol"):
+        for who in LEVELS:
             with client(self.server, who) as c:
                 tenant = c.info()[0]["tenant"]
             for quota in ("names", "leases", "staging_bytes", "groups"):
@@ -757,17 +1014,22 @@ def test_the_shared_server_fuzz(shared, adapters):
 @pytest.fixture(scope="module", params=["vllm", pytest.param("sglang", marks=pytest.mark.extended)])
 def tenant_server(request, model_dir, tmp_path_factory):
     """A real server of its own with a tenants file (the session's shared servers have
-    none), stopped at the end of this module's tests on it."""
+    none), stopped at the end of this module's tests on it. Each runs with its engine's own
+    --api-key too (`engine_key`): tenants' keys and the operator's pass its middleware."""
     from .conftest import real_server
     path = write_tenants(tmp_path_factory.mktemp("real-tenants"), tenants_toml())
-    with real_server(request.param, model_dir, {**SERVER_ENV, "LORA_SYNC_TENANTS": path}) \
-            as server:
+    engine_key = GENERATION_KEY
+    with real_server(request.param, model_dir, {**SERVER_ENV, "LORA_SYNC_TENANTS": path},
+                     ("--api-key", engine_key) if engine_key else ()) as server:
+        server.engine_key = engine_key
         yield server
 
 
 def test_two_tenants_and_the_operator_share_a_real_server(tenant_server, make_adapter):
     """Push on each tenant's key, generate its own, the other's names answered as absent,
-    rollback, and the operator sees both."""
+    rollback (and rollback under load, measured), and the operator sees both; every key
+    through the engine's own --api-key middleware: a tenant's generates within its generate
+    level, a wrong one gets 401."""
     s = tenant_server
     a1, a2, b1 = (make_adapter(seed=4700 + i) for i in range(3))
     with LoRASyncClient(s.url, engine=s.engine, api_key=KEYS["alice"]) as alice, \
@@ -788,7 +1050,14 @@ def test_two_tenants_and_the_operator_share_a_real_server(tenant_server, make_ad
             with pytest.raises(LoRASyncError) as e:
                 call()
             assert e.value.status == 404, e.value
+        check_keys_and_routes_on_a_real_server(s)
         assert {a["name"] for a in bob.adapters()[0]["adapters"]} == {"bob-real"}
+        texts = {v: complete(s, "alice", f"alice-real-v{v}", temperature=0)[1]["choices"][0]
+                 ["text"] for v in (1, 2)}
+        counts = rollbacks_under_load(s, "alice-real", texts, threads=3, flips=8, pause_s=0.3,
+                                      max_requests=150)
+        assert counts["across_a_rollback"] >= 8 and counts["failed"] == counts["wrong"] == 0, \
+            counts
         alice.rollback("alice-real", 1)
         v1 = alice.complete(PROMPT, "alice-real", 8)
         assert v1["version"] == 1
@@ -800,6 +1069,41 @@ def test_two_tenants_and_the_operator_share_a_real_server(tenant_server, make_ad
     assert s.alive(), s.log_tail()
 
 
+def check_keys_and_routes_on_a_real_server(s) -> None:
+    """alice's alice-real at v2, bob's bob-real: each key on the real engine's generation
+    routes (its --api-key middleware first), alice-real named in every form the engine
+    reads (SGLang's base:adapter, vLLM's SageMaker header on /invocations, which that
+    middleware skips: admission answers a request without a tenant's key there), on
+    completions and chat."""
+    def check(who: str, model: str, want, headers=None, route="/v1/completions"):
+        reply = complete(s, who, model, headers, route)
+        assert (reply[0] if isinstance(want, int) else error(reply)) == want, \
+            (who, model, headers, route, reply)
+        if reply[0] == 200:  # the version admission gave it; none for the base model
+            assert reply[2].get("x-lora-version") == (None if model == BASE_MODEL and not
+                                                      headers else "2"), reply
+    hidden = (404, "model_not_found")
+    guarded = 401 if s.engine_key else hidden  # no key or a wrong one, on alice-real
+    forms = [("alice-real", None, route, guarded) for route in GENERATION_ROUTES[:2]]
+    if s.engine == "sglang":
+        forms += [(f"{BASE_MODEL}:alice-real", None, route, guarded)
+                  for route in ("/v1/chat/completions", "/invocations")]
+    else:
+        forms += [(BASE_MODEL, {SAGEMAKER_HEADER: "alice-real"}, "/invocations", hidden)]
+    for model, headers, route, no_key in forms:
+        for who, want in (("alice", 200), ("carol", 200), ("operator", 200), ("bob", hidden),
+                          ("dave", hidden), (GENERATION_KEY, hidden), ("", no_key),
+                          ("wrong-key", no_key), (KEYS["alice"] + "x", no_key)):
+            check(who, model, want, headers, route)
+    for who, want in (("dave", 200), (GENERATION_KEY, 200), ("bob", 200),
+                      ("", 401 if s.engine_key else 200), ("wrong-key", 401 if s.engine_key
+                                                           else 200)):
+        check(who, BASE_MODEL, want)  # the base model: every key the engine lets through
+    check("dave", "bob-real", hidden)  # generate = "base": no adapter at all
+    assert listed_models(s, "dave") == {BASE_MODEL}
+    assert not any(m.startswith("alice") for m in listed_models(s, "bob"))
+
+
 def test_the_shared_server_fuzz_on_a_real_server(tenant_server, adapters):
     """The invariant fuzz above, shorter, on the real server of each engine kind: the same
     rules (pushes on tensors and shm, retires, rollbacks and pins, generation with every
@@ -808,6 +1112,7 @@ def test_the_shared_server_fuzz_on_a_real_server(tenant_server, adapters):
     its steps as found): a few seconds per engine on the tiny CPU model."""
     s = tenant_server
     RealSharedServer.server, RealSharedServer.adapters = s, adapters
+    RealSharedServer.engine_key = s.engine_key
     RealSharedServer.texts = {}
     runner = RealSharedServer.TestCase
     runner.settings = settings(max_examples=int(os.environ.get("TENANT_REAL_FUZZ_EXAMPLES", 15)),
@@ -845,7 +1150,7 @@ def test_metrics_per_tenant(shared, adapters):
     assert use[("alice", "names")] == 1 and use[("bob", "names")] == 0
     tenants = {labels.get("tenant") for m in REGISTRY.collect() if m.name.startswith(
         "lora_sync_tenant") for s in m.samples for labels in [s.labels]}
-    assert tenants <= {"alice", "bob", "carol", "operator"}
+    assert tenants <= {*LEVELS, "operator"}
 
 
 def test_metrics_are_the_operators_alone(shared, adapters, fake_server):

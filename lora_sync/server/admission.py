@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from .. import naming
 from ..errors import BadRequest, LoRASyncError, NotFound, PayloadTooLarge
 from ..fields import loads
+from .tenants import hide
 from .socket_body import RAW_RECEIVE
 
 # The request header SageMaker routes read the adapter from (vLLM's /invocations).
@@ -33,7 +34,7 @@ NESTED = ("parameters",)
 INTERNAL_FIELDS = ("lora_id",)  # SGLang's engine ids: never taken from a client
 BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 # The engines' model listings (OpenAI's GET /v1/models, on both): with tenants, each caller
-# sees only the adapters it may generate on (`_list_models_for`).
+# sees only the models and the adapters it may generate on (`listed_for`).
 MODEL_LISTS = ("/v1/models",)
 # The engines' Prometheus endpoint (both mount it at /metrics, matching any path that starts
 # so: vLLM's and SGLang's route regex is ^/metrics(.*)$). Its labels name adapters (ours,
@@ -57,8 +58,12 @@ class AdmissionMiddleware:
     def __init__(self, app, own_paths: frozenset = frozenset(), native_routes=(),
                  also_set: tuple[str, ...] = (), engine_guards=None, model_adapter=None,
                  strict_models: bool = False, cache_key_fields: dict | None = None,
-                 model_names: frozenset = frozenset()):
+                 model_names: frozenset = frozenset(), reads_adapter_header: bool = True):
         self.app = app
+        # reads_adapter_header: the engine serves the adapter the SageMaker header names
+        # (vLLM). Where it does not (SGLang), a request naming one there is refused: the
+        # engine would answer it with the base model.
+        self.reads_adapter_header = reads_adapter_header
         # model_names: the names in engine_names() that are models, not adapters.
         self.model_names = model_names
         # model_adapter(model): the adapter name the engine itself reads from `model` (SGLang:
@@ -90,7 +95,8 @@ class AdmissionMiddleware:
                 and scope.get("path") in MODEL_LISTS:
             service = getattr(scope["app"].state, "lora_sync", None)
             if service is not None and service.tenancy.enabled:
-                return await _list_models_for(service, self.app, scope, receive, send)
+                return await _list_models_for(service, self.app, scope, receive, send,
+                                              self.listed_for)
         if scope["type"] != "http" or scope.get("method") not in BODY_METHODS:
             return await self.app(scope, receive, send)
         if scope.get("path") in self.own_paths:  # uvicorn's receive, for a socket body
@@ -173,21 +179,25 @@ class AdmissionMiddleware:
         caller = service.caller(_header(scope, b"authorization"))
         try:
             header = _header(scope, SAGEMAKER_ADAPTER_HEADER)
+            if header is not None and not self.reads_adapter_header:
+                raise BadRequest("this engine does not read the X-Amzn-SageMaker-Adapter-"
+                                 "Identifier header (it would serve the base model); name "
+                                 "the adapter in 'model' or 'lora_path'", code="bad_request")
             if header is not None:
-                served = _admit_name(service, header, admitted, caller)
+                served = self._admit_name(service, header, admitted, caller)
                 if served is not None:
                     scope = _with_header(scope, SAGEMAKER_ADAPTER_HEADER, served)
             for place in places:
                 for f in NAME_FIELDS:
                     value = place.get(f)
                     if isinstance(value, list):
-                        place[f] = [_admit_name(service, v, admitted, caller) or v
+                        place[f] = [self._admit_name(service, v, admitted, caller) or v
                                     for v in value]
                         continue
                     if not isinstance(value, str):
                         continue
                     served = self._admit_model(service, value, admitted, caller) \
-                        if f == "model" else _admit_name(service, value, admitted, caller)
+                        if f == "model" else self._admit_name(service, value, admitted, caller)
                     if served is not None:
                         place[f] = served
                         model_served = model_served or (served if f == "model" else None)
@@ -199,7 +209,7 @@ class AdmissionMiddleware:
                     request[f] = model_served
             if admitted and self.engine_guards is not None \
                     and not self.engine_guards(scope["path"]):
-                service.authorize_generation(_header(scope, b"authorization"))
+                service.authorize_generation(_header(scope, b"authorization"), caller)
             ok = True
         finally:
             if not ok:
@@ -214,7 +224,7 @@ class AdmissionMiddleware:
         """`model` read as the engine reads it: the versioned name it resolves to if it is
         ours; with strict_models, a name neither we nor the engine serve is a 404."""
         name = self.model_adapter(model)
-        served = _admit_name(service, name, admitted, caller)
+        served = self._admit_name(service, name, admitted, caller)
         if served is None and self.strict_models and not service.serves(name):
             raise NotFound(f"model {name[:140]!r} is not served here (neither a model nor an "
                            "adapter of this server)", code="model_not_found")
@@ -225,21 +235,41 @@ class AdmissionMiddleware:
             return name
         return served
 
+    def _admit_name(self, service, value, admitted: list, caller) -> str | None:
+        """The versioned name `value` resolves to, if it is one of ours (counted in flight).
+        An adapter the engine loaded itself is refused to a key that may not generate on it
+        (a tenant's generate = "base"), as a name that is not served."""
+        if not isinstance(value, str):
+            return None
+        record = service.admit(value, caller)
+        if record is None:
+            if not service.tenancy.may_generate(caller, value) \
+                    and self.engine_adapter(service, value):
+                raise hide(value, "model")
+            return None
+        admitted.append(record)
+        return record.served_name
 
-def _admit_name(service, value, admitted: list, caller) -> str | None:
-    """The versioned name `value` resolves to, if it is one of ours (counted in flight)."""
-    if not isinstance(value, str):
-        return None
-    record = service.admit(value, caller)
-    if record is None:
-        return None
-    admitted.append(record)
-    return record.served_name
+    def engine_adapter(self, service, name: str) -> bool:
+        """Whether `name` is an adapter the engine serves itself, not one of its models:
+        where admission knows the model names (SGLang), any other engine name; else the
+        engine's own adapter table (vLLM's bridge)."""
+        if not service.serves(name) or name in self.model_names:
+            return False
+        return bool(self.model_names) or service.bridge.engine_adapter_id(name) is not None
+
+    def listed_for(self, service, caller, model_id: str) -> bool:
+        """Whether `caller` sees `model_id` in the engine's model listing: the models, and
+        the adapters (ours, the engine's) it may generate on."""
+        base = naming.split_versioned(model_id)[0]
+        adapter = service.owns(model_id) or service.tenancy.owner_of(base) is not None \
+            or self.engine_adapter(service, model_id)
+        return not adapter or service.tenancy.may_generate(caller, base)
 
 
-async def _list_models_for(service, app, scope, receive, send) -> None:
-    """The engine's model listing, less the adapters of tenants the caller may not generate
-    on (their names would otherwise be probed here)."""
+async def _list_models_for(service, app, scope, receive, send, listed_for) -> None:
+    """The engine's model listing, less the adapters the caller may not generate on (other
+    tenants' names would otherwise be probed here)."""
     caller = service.caller(_header(scope, b"authorization"))
     start, chunks = None, []
 
@@ -260,16 +290,11 @@ async def _list_models_for(service, app, scope, receive, send) -> None:
     if isinstance(listing, dict) and isinstance(listing.get("data"), list):
         listing["data"] = [m for m in listing["data"] if not isinstance(m, dict)
                            or not isinstance(m.get("id"), str)
-                           or _listed_for(service, caller, m["id"])]
+                           or listed_for(service, caller, m["id"])]
         body = json.dumps(listing).encode()
     headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
     await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _listed_for(service, caller, model_id: str) -> bool:
-    base = naming.split_versioned(model_id)[0]
-    return service.tenancy.owner_of(base) is None or service.tenancy.may_generate(caller, base)
 
 
 def _native_name(route: NativeRoute, scope, request) -> str | None:

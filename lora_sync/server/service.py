@@ -195,12 +195,14 @@ class AdapterService:
         (no key, a wrong one, the engine's own key). The same resolution as `authorize`."""
         return self.tenancy.resolve(authorization)
 
-    def authorize_generation(self, authorization: str | None) -> None:
+    def authorize_generation(self, authorization: str | None, caller: Caller) -> None:
         """A request on our adapters through an engine route the engine's key does not
-        guard (vLLM's /invocations): it needs one of the engine's keys, or ours."""
+        guard (vLLM's /invocations): it needs one of the engine's keys, ours, or a tenant's
+        (`caller`, resolved by admission; its key opens the engine's guarded routes too,
+        and admission already checked what it may generate on)."""
         keys = [k for k in (*self.settings.generation_keys, self.settings.api_key) if k]
         given = (authorization or "").encode()
-        if self.settings.generation_keys and \
+        if self.settings.generation_keys and caller.kind != "tenant" and \
                 not any(hmac.compare_digest(given, f"Bearer {k}".encode()) for k in keys):
             raise Unauthorized("this route is not guarded by the engine's API key; requests "
                                "on lora-sync adapters need it", code="unauthorized")
@@ -398,12 +400,15 @@ class AdapterService:
         or None when the name is not ours. A retired or unknown version of one of our names,
         or a retired name, raises NotFound: never another model. With tenants, a name in a
         tenant's scope is answered here whatever it is: served if `caller` may generate on
-        it, else the reply a name that is not served gets (hide), there or not."""
+        it, else the reply a name that is not served gets (hide), there or not; so is a name
+        of ours outside every scope to a key that may not generate on it (generate = "base")."""
         name, version = naming.split_versioned(requested)
-        if self.tenancy.enabled and self.tenancy.owner_of(name) is not None:
-            if not self.tenancy.may_generate(caller, name):
+        if self.tenancy.enabled:
+            scoped = self.tenancy.owner_of(name) is not None
+            if not self.tenancy.may_generate(caller, name) and \
+                    (scoped or name in self._names() or name in self.retired_names):
                 raise hide(requested, "model")
-            if self.book.alias(name) is None and name not in self.retired_names \
+            if scoped and self.book.alias(name) is None and name not in self.retired_names \
                     and requested not in self.records:
                 raise hide(requested, "model")  # ours to answer: never the engine's guess
         if version is None:
@@ -625,6 +630,8 @@ class AdapterService:
         for attr, what in (("lora_name", "adapter"), ("group_name", "group")):
             value = getattr(request, attr, None)
             if isinstance(value, str):
+                if what == "group" and hasattr(request, "master_port"):  # sets one up
+                    self.tenancy.check_new_group(caller, value)
                 self.tenancy.check(caller, value, what)
         lease_id = getattr(request, "lease_id", None)
         if lease_id is not None and lease_id not in self._tenant_leases(caller.tenant):

@@ -55,7 +55,8 @@ class Tenant:
     prefix: str | None
     names: frozenset
     quotas: Quotas
-    generate: str = "own"     # base: the base model only; own: + its names; all: + every name
+    # base: the base model alone; own: + its names and the unscoped ones; all: + every name
+    generate: str = "own"
 
     def covers(self, name: str) -> bool:
         """Letter case aside: a case variant of a tenant's name is that tenant's too (the
@@ -63,6 +64,10 @@ class Tenant:
         folded = name.casefold()
         return folded in {n.casefold() for n in self.names} or \
             (self.prefix is not None and folded.startswith(self.prefix.casefold()))
+
+    def scope_words(self) -> str:
+        return " or ".join(([f"names starting with {self.prefix!r}"] if self.prefix else []) +
+                           ([f"the names {sorted(self.names)}"] if self.names else []))
 
 
 @dataclass(frozen=True)
@@ -227,20 +232,31 @@ class Tenancy:
         return caller.tenant is not None and caller.tenant.covers(name)
 
     def may_generate(self, caller: Caller, name: str) -> bool:
-        """Whether `caller` may generate with adapter `name` (the base model is the engine's
-        business). Names outside every scope are the operator's, served as before tenants."""
+        """Whether `caller` may generate with adapter `name`, ours or one the engine loaded
+        itself (the base model is the engine's business). Names outside every scope are the
+        operator's, served as before tenants to every key but a `generate = "base"` one:
+        base means the base model only, own adds its names, all every adapter."""
         if not self.enabled or caller.kind == "operator":
             return True
         owner = self.owner_of(name)
         if caller.tenant is None:
             return owner is None
         level = caller.tenant.generate
-        return level == "all" or (level == "own" and owner is caller.tenant)
+        return level == "all" or (level == "own" and owner in (None, caller.tenant))
 
     def check(self, caller: Caller, name: str, what: str = "adapter") -> None:
         """A name the caller may not see: the very reply a name that does not exist gets."""
         if not self.sees(caller, name):
             raise hide(name, what)
+
+    def check_new_group(self, caller: Caller, name: str) -> None:
+        """A group a tenant sets up is named in its scope; a name outside it gets a refusal
+        that names the caller's own scope, the same whether such a group exists or not."""
+        t = caller.tenant
+        if t is not None and not t.covers(name):
+            raise BadRequest(f"group {name!r} is outside tenant {t.name!r}'s scope: name its "
+                             f"groups in it ({t.scope_words()}); init_group() does so by "
+                             "default", code="no_group")
 
     # -- quotas ------------------------------------------------------------------------
     def count_push(self, caller: Caller) -> None:

@@ -19,7 +19,6 @@ from ..transports import TRANSPORTS
 from ..transports.base import ClientConfig, PushResult, SendContext, Server, Transport, \
     Unavailable, with_protocol
 
-# The engines' own routes for adapters on disk (the baseline lora-sync replaces).
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 # What `auto` tries on each server, in order: each transport says where it stands.
 AUTO = sorted((t for t in TRANSPORTS.values() if t.auto_order is not None),
@@ -138,8 +137,10 @@ class LoRASyncClient:
              group=None) -> list[PushResult]:
         """Pushes a new version of `name` to every server; returns one PushResult each.
 
-        `transport`: 'auto' (shared memory where the server is on this host, else tensors
-        over HTTP), 'shm', 'tensors' or 'broadcast' (after init_group; all or nothing).
+        `transport`: 'auto' (one sealed copy shared by every server on this host when two
+        or more may be here, else shared memory where the server is on this host, else
+        tensors over HTTP), 'shared', 'shm', 'tensors' or 'broadcast' (after init_group;
+        all or nothing).
         `version`: by default the next after the newest this client pushed, or for a fresh
         client the newest any server holds; if a server already holds a newer one (another
         client pushed), the push is made once more, above the servers' newest. `on_error`:
@@ -409,12 +410,16 @@ class LoRASyncClient:
 
     # -- collective broadcast -----------------------------------------------------------
     def init_group(self, master_address: str = "127.0.0.1", master_port: int | None = None,
-                   backend: str = "gloo", group_name: str = "default",
+                   backend: str = "gloo", group_name: str | None = None,
                    timeout_s: float = 120.0, **kw):
-        """Joins every worker of every server into a group with this process as rank 0."""
+        """Joins every worker of every server into a group with this process as rank 0.
+        `group_name` by default: "default", or with a tenant's key a name in its scope
+        (`default_group_name`), where a tenant's groups must be."""
+        infos = self.info()
         return TRANSPORTS["broadcast"].open_group(
-            self.states["broadcast"], self.servers, self.headers, self.info(), master_address,
-            master_port or free_port(), backend, group_name, timeout_s, **kw)
+            self.states["broadcast"], self.servers, self.headers, infos, master_address,
+            master_port or free_port(), backend, group_name or default_group_name(infos),
+            timeout_s, **kw)
 
     def broadcast(self, adapter, name: str, version: int | None = None,
                   checksum: bool = False, dtype=None, group=None) -> list[PushResult]:
@@ -546,3 +551,20 @@ class LoRASyncClient:
     def __exit__(self, *exc):
         self.close()
 
+
+def default_group_name(infos: list[dict]) -> str:
+    """init_group's group name when given none: "default"; with a tenant's key (its
+    lora_sync_info names the tenant), the tenant's prefix + "default", else the first of its
+    names. Servers whose scopes for this key give different names need `group_name` given."""
+    names = set()
+    for info in infos:
+        tenant = info.get("tenant")
+        if not tenant:
+            names.add("default")
+        else:
+            names.add(f"{tenant['prefix']}default" if tenant.get("prefix")
+                      else sorted(tenant["names"])[0])
+    if len(names) > 1:
+        raise ValueError(f"init_group: this key's scopes differ between the servers (default "
+                         f"group names {sorted(names)}); pass group_name=")
+    return names.pop()
