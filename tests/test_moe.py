@@ -191,7 +191,10 @@ def test_a_failed_probe_is_a_reason_not_a_crash(vllm_moe):
 
 
 # -- one real vLLM server on the tiny MoE model, without the stand-in ---------------------
+# Extended (CI time: a server of its own): the blocker is tested in process above against
+# vLLM's own classes, and every push route's 409 on the fake engine.
 @pytest.mark.server
+@pytest.mark.extended
 def test_vllm_moe_without_triton_refuses_pushes_and_stays_up(workdir):
     """vLLM CPU on the tiny Qwen3-MoE model (--enable-lora, no Triton, no stand-in on its
     PYTHONPATH): it starts, warns, says why in lora_sync_info, refuses an attention-only

@@ -1009,9 +1009,12 @@ def test_the_shared_server_fuzz(shared, adapters):
 
 
 # -- real engines: two tenants and the operator on one server ----------------------------------
-# SGLang's is extended (CI time): tenancy is lora-sync's own admission and service, the same
-# on both engines; vLLM's real server proves it against a real engine at every push.
-@pytest.fixture(scope="module", params=["vllm", pytest.param("sglang", marks=pytest.mark.extended)])
+# Extended (CI time: a server of its own per engine): tenancy is lora-sync's own admission and
+# service, the same on both engines and fuzzed in process; the one engine seam, its key
+# middleware letting tenants' keys through, is tested in process against vLLM's own class
+# (test_vllm_seams). These prove it all on real engines.
+@pytest.fixture(scope="module", params=[pytest.param("vllm", marks=pytest.mark.extended),
+                                        pytest.param("sglang", marks=pytest.mark.extended)])
 def tenant_server(request, model_dir, tmp_path_factory):
     """A real server of its own with a tenants file (the session's shared servers have
     none), stopped at the end of this module's tests on it. Each runs with its engine's own

@@ -156,3 +156,28 @@ def test_the_slot_writer_takes_plain_cpu_layers_only():
     lora = adapter("l0.q", "l0.v", "l0.down")
     assert engine_api.defer_scaling(manager, lora, layers)
     assert all(w.scaling == 1 and w.lora_b._lora_sync_scale == 2.0 for w in lora.loras.values())
+
+
+def test_tenant_keys_pass_vllms_own_key_middleware(monkeypatch):
+    """vLLM's AuthenticationMiddleware (its --api-key) in front of a route: with tenants, a
+    key lora-sync knows passes as the engine's own key does; any other key, or none, still
+    gets vLLM's 401. The patch is applied once however often it is asked for."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+    monkeypatch.setattr(AuthenticationMiddleware, "verify_token",
+                        AuthenticationMiddleware.verify_token)  # restored after the test
+    for _ in range(2):
+        engine_api.let_tenant_keys_through(lambda header: header == "Bearer tenant-key")
+    assert AuthenticationMiddleware.verify_token.lora_sync_tenants
+    app = Starlette(routes=[Route("/v1/completions", lambda r: PlainTextResponse("ok"),
+                                  methods=["POST"])],
+                    middleware=[Middleware(AuthenticationMiddleware, tokens=["engine-key"])])
+    with TestClient(app) as http_client:
+        status = {key: http_client.post("/v1/completions", headers=(
+            {"Authorization": f"Bearer {key}"} if key else {})).status_code
+            for key in ("engine-key", "tenant-key", "other-key", None)}
+    assert status == {"engine-key": 200, "tenant-key": 200, "other-key": 401, None: 401}
