@@ -180,7 +180,11 @@ def test_a_push_frees_retired_versions_waiting_for_a_pause_first(
     c.push(make_adapter(seed=549), "settle", transport="tensors")
     assert v1_id in fake_server.bridge.freed  # freed before the push went on
     assert v2_id not in fake_server.bridge.freed  # retired by that push: it waits
-    assert len(fake_server.service._deferred) == 1
+    # Its wait starts on the server's loop after the push's reply (a CI run read the set
+    # before it had): bounded, then it stays waiting.
+    wait_until(lambda: len(fake_server.service._deferred) == 1, 10, "v2 waiting for a pause")
+    time.sleep(0.2)
+    assert v2_id not in fake_server.bridge.freed and len(fake_server.service._deferred) == 1
 
 
 def test_a_retired_version_is_freed_in_bounded_time_under_endless_requests(
