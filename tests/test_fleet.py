@@ -24,13 +24,14 @@ import threading
 import time
 
 import glob
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from lora_sync import LoRASyncClient, http
+from lora_sync import LoRASyncClient, http, private_dir
 from lora_sync.errors import NotFound, PushFailed
 from lora_sync.transports.shared_copy import MEMFD_PREFIX
 
@@ -168,6 +169,7 @@ def mixed_fleet():
     own, so a test can SIGKILL one and start it again."""
     servers = [fake_engine_process() for _ in range(3)] + \
         [fake_engine_process(own_pid_namespace=True) for _ in range(2)]
+    shm_before = set(os.listdir("/dev/shm"))
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
             list(pool.map(lambda s: s.start(), servers))
@@ -177,6 +179,12 @@ def mixed_fleet():
     finally:
         for s in servers:
             s.stop()
+        # What the killed namespace servers left: no later server of theirs sweeps it (a
+        # sweep keeps to its own PID namespace), and those namespaces are gone now.
+        ours = private_dir.pid_namespace()
+        for name in set(os.listdir("/dev/shm")) - shm_before:
+            if name.startswith(private_dir.PREFIX) and f"-{ours}-" not in name:
+                shutil.rmtree(f"/dev/shm/{name}", ignore_errors=True)
 
 
 def shared_files_held(servers) -> list[int]:
