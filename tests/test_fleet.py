@@ -23,7 +23,6 @@ import signal
 import threading
 import time
 
-import glob
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,12 +32,12 @@ from hypothesis import strategies as st
 
 from lora_sync import LoRASyncClient, http, private_dir
 from lora_sync.errors import NotFound, PushFailed
-from lora_sync.transports.shared_copy import MEMFD_PREFIX
 
 from .conftest import API_KEY
 from .engine_fakes import served_text
 from .fake_server_main import REFUSE_PATH, fake_engine_process, violations
 from .helpers import greedy, process_tree, retire_if_held, wait_until
+from .test_shared_copy import shared_fds, shared_maps
 
 
 @pytest.fixture
@@ -190,18 +189,8 @@ def mixed_fleet():
 def shared_files_held(servers) -> list[int]:
     """The processes of the trainer (this one) and of `servers` that hold a shared copy
     open or mapped (other test runs on the host have their own)."""
-    held = []
-    for pid in [os.getpid(), *(p for s in servers for p in process_tree(s.proc.pid))]:
-        proc = f"/proc/{pid}"
-        try:
-            fds = [os.readlink(fd) for fd in glob.glob(f"{proc}/fd/*")]
-            with open(f"{proc}/maps") as f:
-                maps = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        if any(MEMFD_PREFIX in x for x in fds) or MEMFD_PREFIX in maps:
-            held.append(pid)
-    return held
+    return [pid for pid in [os.getpid(), *(p for s in servers for p in process_tree(s.proc.pid))]
+            if shared_fds(str(pid)) or shared_maps(str(pid))]
 
 
 def _text_or_none(server, model: str) -> str | None:
