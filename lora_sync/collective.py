@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .host_copy import pack_into
 from .wire import DTYPES, TensorSpec
 
 # Small buckets, all in flight at once, let the sender pack bucket k+1 while bucket k is on
@@ -217,7 +218,12 @@ def payload(bucket: Bucket, frame: torch.Tensor) -> torch.Tensor:
 
 def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor],
                 out: torch.Tensor) -> torch.Tensor:
-    return torch.cat([tensors[s.name].reshape(-1) for s in bucket.specs], out=out)
+    """Host tensors go in by memcpy (host_copy: torch's copy would spin against gloo's
+    threads), device ones by torch."""
+    parts = [tensors[s.name].detach() for s in bucket.specs]
+    if not pack_into(out, parts):
+        torch.cat([t.reshape(-1) for t in parts], out=out)
+    return out
 
 
 def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:

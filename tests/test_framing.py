@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lora_sync import collective
+from lora_sync import collective, host_copy
 from lora_sync.wire import TensorSpec
 
 DTYPE = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -93,6 +93,28 @@ def test_kept_sender_frames_are_reused():
     first = collective.frame_buffers(transfer, kept)[0].data_ptr()
     assert collective.frame_buffers(transfer, kept)[0].data_ptr() == first
     assert all(f.data_ptr() % 64 == 0 for f in collective.frame_buffers(transfer, kept))
+
+
+def test_packing_by_memcpy_matches_torch_and_falls_back_for_the_rest(monkeypatch):
+    """Host tensors are packed by memcpy (host_copy: torch's copy spins against gloo's
+    threads); a non-contiguous one is packed by torch; the bytes are the same either way."""
+    tensors = make_tensors([("F32", (16, 8)), ("F32", (8, 16)), ("F32", (7,))])
+    bucket = collective.Transfer.plan(specs_of(tensors), 1).buckets[0]
+    expected = torch.cat([t.reshape(-1) for t in tensors.values()])
+    memcpys = []
+    real = host_copy.memmove_each
+    monkeypatch.setattr(host_copy, "memmove_each", lambda c: (memcpys.append(len(c)), real(c)))
+    out = torch.zeros_like(expected)
+    collective.pack_bucket(bucket, tensors, out)
+    assert memcpys == [3] and torch.equal(out, expected)
+
+    strided = {**tensors, "t1": tensors["t1"].t().contiguous().t()}  # same values, strided
+    assert not strided["t1"].is_contiguous() and torch.equal(strided["t1"], tensors["t1"])
+    out = torch.zeros_like(expected)
+    collective.pack_bucket(bucket, strided, out)
+    assert memcpys == [3] and torch.equal(out, expected)  # torch packed it
+    with pytest.raises(ValueError, match="do not fit"):
+        host_copy.pack_into(torch.zeros(10), list(tensors.values()))
 
 
 # Each lie: what the trainer declared over HTTP (receiver's plan) vs what it sends.

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ... import http, pages
+from ...host_copy import memmove_each as _memmove
 from ..base import SendContext, Server, Unavailable
 from ..device_copy import HostPin, copy_to_host, on_device
 from .messages import Lease, MEMFD_NAME, PROBE_BYTES, _LEASE_PATH
@@ -96,10 +97,8 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
     died) is refused at commit, never served half-written. That is what lets the client
     commit while it copies (`ShmTransport._commit`).
 
-    Host tensors go in with plain memcpy (ctypes.memmove, which lets go of the GIL), not
-    torch's copy: on a thread other than the trainer's, torch starts a second OpenMP team
-    whose threads then spin against the trainer's own (on a host with few cores, up to
-    twice as slow as a memcpy). GPU tensors go device to host in a few packed copies
+    Host tensors go in by memcpy (host_copy.py: on a host with few cores, torch's copy from
+    this thread was up to twice as slow), GPU tensors device to host in a few packed copies
     (device_copy.py)."""
     try:
         lead = _header_lead(chunks)
@@ -171,11 +170,6 @@ def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
         _memmove(copies[cut:])
     finally:
         first.result()
-
-
-def _memmove(copies) -> None:
-    for dst, src, n in copies:
-        ctypes.memmove(dst, src, n)
 
 
 def write_lease(lease: Lease, chunks: list) -> int | None:

@@ -1,0 +1,39 @@
+"""Host-to-host copies by plain memcpy (ctypes.memmove, which lets go of the GIL), not
+torch's copy.
+
+A torch copy on a thread other than the trainer's starts a second OpenMP team whose threads
+spin against the trainer's own and against whatever else runs meanwhile, such as gloo's
+socket threads during a broadcast: on a host with few cores that costs more than the copy
+itself (docs/benchmarks.md, "What each piece bought")."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+
+def memmove_each(copies) -> None:
+    """Every (destination address, source address, bytes) copy, in order, on this thread."""
+    for dst, src, n in copies:
+        ctypes.memmove(dst, src, n)
+
+
+def pack_into(out: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """Copies `parts` back to back into `out`, all contiguous host tensors of its dtype;
+    False, with nothing copied, where any is not (the caller copies with torch then)."""
+    if not _plain_host(out) or not all(_plain_host(t) and t.dtype == out.dtype for t in parts):
+        return False
+    sizes = [t.numel() * t.element_size() for t in parts]
+    if sum(sizes) > out.numel() * out.element_size():
+        raise ValueError(f"{sum(sizes)} bytes do not fit a buffer of "
+                         f"{out.numel() * out.element_size()}")
+    copies, dst = [], out.data_ptr()
+    for t, n in zip(parts, sizes):
+        copies.append((dst, t.data_ptr(), n))
+        dst += n
+    memmove_each(copies)
+    return True
+
+
+def _plain_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous()
