@@ -18,6 +18,17 @@ def memmove_each(copies) -> None:
         ctypes.memmove(dst, src, n)
 
 
+def copy_each(pairs) -> None:
+    """Each (destination, source) pair of tensors of one shape and dtype: by memcpy where
+    both are contiguous host tensors, else by torch (a GPU source)."""
+    for dst, src in pairs:
+        if (_plain_host(dst) and _plain_host(src) and dst.dtype == src.dtype
+                and dst.shape == src.shape):
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+        else:
+            dst.copy_(src)
+
+
 def pack_into(out: torch.Tensor, parts: list[torch.Tensor]) -> bool:
     """Copies `parts` back to back into `out`, all contiguous host tensors of its dtype;
     False, with nothing copied, where any is not (the caller copies with torch then)."""

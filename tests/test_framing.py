@@ -117,6 +117,19 @@ def test_packing_by_memcpy_matches_torch_and_falls_back_for_the_rest(monkeypatch
         host_copy.pack_into(torch.zeros(10), list(tensors.values()))
 
 
+def test_copy_each_copies_host_pairs_by_memcpy_and_the_rest_by_torch(monkeypatch):
+    memcpys = []
+    real = host_copy.ctypes.memmove
+    monkeypatch.setattr(host_copy.ctypes, "memmove", lambda *a: (memcpys.append(a[2]), real(*a)))
+    src = make_tensors([("F32", (4, 6)), ("BF16", (5, 3))])
+    strided = src["t0"].t().contiguous().t()
+    dsts = [torch.zeros(4, 6), torch.zeros(5, 3, dtype=torch.bfloat16), torch.zeros(4, 6)]
+    host_copy.copy_each(list(zip(dsts, [src["t0"], src["t1"], strided])))
+    assert memcpys == [96, 30]  # the strided source went through torch
+    assert torch.equal(dsts[0], src["t0"]) and torch.equal(dsts[1], src["t1"])
+    assert torch.equal(dsts[2], src["t0"])
+
+
 # Each lie: what the trainer declared over HTTP (receiver's plan) vs what it sends.
 LIES = {
     "declared_bigger": lambda shapes: ([(dt, (s[0] * 2, *s[1:])) for dt, s in shapes], shapes),

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import wire
+from .. import host_copy, wire
 from ..adapter import LoRAAdapter
 
 
@@ -86,12 +86,13 @@ class FleetMemory:
                 spares.pop(0)
         if flat is None:
             flat = torch.empty(copy_capacity(total), dtype=torch.uint8)
-        offset, kept = 0, {}
+        offset, kept, pairs = 0, {}, []
         for (key, t), size in zip(adapter.tensors.items(), sizes):
             n = t.numel() * t.element_size()
             kept[key] = flat[offset:offset + n].view(t.dtype).view(t.shape)
-            kept[key].copy_(t.detach())
+            pairs.append((kept[key], t.detach()))
             offset += size  # 8-byte aligned: every dtype's view is legal
+        host_copy.copy_each(pairs)  # beside the servers' intake: no torch thread team
         return Newest(0, LoRAAdapter(kept, dict(adapter.config)), flat)
 
     def spare(self, name: str) -> torch.Tensor | None:
