@@ -612,7 +612,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--idle", type=float, default=0.5, help="seconds before each push")
-    p.add_argument("--soak", type=int, default=50, help="pushes with the RSS sampled (max 50)")
+    p.add_argument("--soak", type=int, default=50, help="pushes with the RSS sampled (0 or 15-50)")
     p.add_argument("--shapes", nargs="+", choices=("large", "few"), default=["large", "few"],
                    help="large: 10,080 tensors; few: the same bytes in 1,008 (default both)")
     p.add_argument("--counts", type=int, nargs="+", default=list(SCAN_COUNTS))
@@ -633,6 +633,8 @@ def main(argv=None) -> int:
     if args.quick:
         shape, args.reps, args.warmup, args.soak = QUICK, 2, 1, min(args.soak, 15)
         args.counts = [c for c in args.counts if c <= 10_000]
+    if 0 < args.soak < 15:  # RSS is sampled every 5 pushes once the first 10 filled the window
+        p.error(f"--soak takes 0 (none) or at least 15 pushes, not {args.soak}")
     torch.set_num_threads(1)  # 2 cores: one for the server
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

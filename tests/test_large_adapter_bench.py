@@ -123,3 +123,10 @@ def test_server_rows_and_goals():
     assert lines[0].endswith("2.50x (met)") and lines[1].endswith("1.50x (met)")
     assert "memcpy 250 + engine 50" in lines[1]
     assert "(281 ms): 1.60x (met)" in lines[2]  # 450 ms over memcpy 250 + build 30 + register 1
+
+
+@pytest.mark.parametrize("soak", ["5", "14"])
+def test_a_soak_too_short_to_sample_is_refused_before_anything_runs(soak, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--soak", soak, "--out", "/nonexistent/never-made"])
+    assert "--soak takes 0 (none) or at least 15 pushes" in capsys.readouterr().err
