@@ -56,7 +56,7 @@ def wait_for(path, timeout_s=180):
 
 # The trainer's wait for a cut server's reply past the group timeout (the library's default is
 # REPLY_GRACE_S, 20 s; the test's own, to wait less).
-REPLY_GRACE_S = 6.0
+REPLY_GRACE_S = 3.0
 
 
 def test_two_hosts_http_broadcast_and_a_link_cut(model_dir, make_adapter, tmp_path):
@@ -89,9 +89,7 @@ def test_two_hosts_http_broadcast_and_a_link_cut(model_dir, make_adapter, tmp_pa
             for s in servers:
                 s.stop()
     report = json.loads(out.read_text())
-    print(f"\nrank-64 broadcast ({report['rank64_bytes']} B): 1 host "
-          f"{report['bcast_ms_1_host']:.1f} ms, 2 hosts {report['bcast_ms_2_hosts']:.1f} ms; "
-          f"link cut: {report['cut_error']!r} after {report['cut_error_s']:.1f} s")
+    print(f"\nlink cut: {report['cut_error']!r} after {report['cut_error_s']:.1f} s")
     # What each server serves is the weights the trainer pushed (netns_trainer.adapter(seed)
     # is make_adapter(seed)).
     tensors_text, broadcast_text, again_text = (served_text(make_adapter(seed))
@@ -102,7 +100,7 @@ def test_two_hosts_http_broadcast_and_a_link_cut(model_dir, make_adapter, tmp_pa
     # The cut server's push failed with an error naming it, within its timeout.
     assert report["cut_error"] and servers[1].url.split("//")[1] in report["cut_error"]
     # group timeout + the reply's grace + slack
-    assert report["cut_error_s"] < 5 + REPLY_GRACE_S + 10
+    assert report["cut_error_s"] < 4 + REPLY_GRACE_S + 10
     # The other server took the version and serves it.
     [mh] = [a for a in report["srv1_alias_after_cut"] if a["name"] == "mh"]
     assert mh["alias_target"] == "mh-v3"
