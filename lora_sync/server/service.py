@@ -47,6 +47,12 @@ RETIRED_NAMES_KEPT = 4096
 _PUSHING = contextvars.ContextVar("lora_sync_pushing", default=OPERATOR)
 
 
+def opens(request) -> str | None:
+    """What a transport request holds for its client once granted ("lease", "group"), if
+    anything: the request class says so (LeaseRequest.opens, InitGroupRequest.opens)."""
+    return getattr(type(request), "opens", None)
+
+
 class NameLocks:
     """One lock per adapter name, kept only while a request holds or waits for it: a request
     on a name, found or not, leaves nothing behind once it ends."""
@@ -630,7 +636,7 @@ class AdapterService:
         for attr, what in (("lora_name", "adapter"), ("group_name", "group")):
             value = getattr(request, attr, None)
             if isinstance(value, str):
-                if what == "group" and hasattr(request, "master_port"):  # sets one up
+                if what == "group" and opens(request) == "group":
                     self.tenancy.check_new_group(caller, value)
                 self.tenancy.check(caller, value, what)
         lease_id = getattr(request, "lease_id", None)
@@ -645,12 +651,13 @@ class AdapterService:
         `caller`: its quotas on leases, staging bytes and groups are checked under one lock
         per tenant (two requests of one tenant cannot both take its last lease), and what
         it gets is written down as its own."""
-        is_lease = hasattr(request, "nbytes") and hasattr(request, "client")
-        if is_lease or hasattr(request, "master_port"):  # a push's first step (shm, broadcast)
+        held_thing = opens(request)  # a push's first step (shm's lease, broadcast's group)
+        is_lease = held_thing == "lease"
+        if held_thing is not None:
             await self.refuse_if_unsupported()
         self.gate(caller, request, ctx, pushes=is_lease)
         tenant = caller.tenant
-        if tenant is None or not (is_lease or hasattr(request, "master_port")):
+        if tenant is None or held_thing is None:
             return await handler(request, ctx)
         async with self._locks.hold(f"tenant:{tenant.name}"):  # ':' is in no adapter name
             if is_lease:

@@ -28,6 +28,7 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -197,6 +198,7 @@ class GroupRef:
 
 @dataclass(frozen=True)
 class InitGroupRequest:
+    opens: ClassVar[str] = "group"  # as LeaseRequest.opens
     master_address: str
     master_port: int
     rank_offset: int

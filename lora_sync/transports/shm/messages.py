@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 
 from ... import replies
@@ -29,6 +30,8 @@ MEMFD_NAME = "lora-sync-lease"
 # -- typed messages ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class LeaseRequest:
+    # What the request holds for its client (service.tenant_call counts it on the tenant).
+    opens: ClassVar[str] = "lease"
     nbytes: int
     # Who asks, as the client names itself: a label, never a bound (a client could mint
     # any number of ids); bounds rest on the server's totals (docs/security.md).
