@@ -21,12 +21,16 @@ def memmove_each(copies) -> None:
 def copy_each(pairs) -> None:
     """Each (destination, source) pair of tensors of one shape and dtype: by memcpy where
     both are contiguous host tensors, else by torch (a GPU source)."""
+    copies, by_torch = [], []
     for dst, src in pairs:
         if (_plain_host(dst) and _plain_host(src) and dst.dtype == src.dtype
                 and dst.shape == src.shape):
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+            copies.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
         else:
-            dst.copy_(src)
+            by_torch.append((dst, src))
+    memmove_each(copies)
+    for dst, src in by_torch:
+        dst.copy_(src)
 
 
 def pack_into(out: torch.Tensor, parts: list[torch.Tensor]) -> bool:

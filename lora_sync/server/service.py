@@ -651,13 +651,13 @@ class AdapterService:
         `caller`: its quotas on leases, staging bytes and groups are checked under one lock
         per tenant (two requests of one tenant cannot both take its last lease), and what
         it gets is written down as its own."""
-        held_thing = opens(request)  # a push's first step (shm's lease, broadcast's group)
-        is_lease = held_thing == "lease"
-        if held_thing is not None:
+        opened = opens(request)  # a push's first step (shm's lease, broadcast's group)
+        is_lease = opened == "lease"
+        if opened is not None:
             await self.refuse_if_unsupported()
         self.gate(caller, request, ctx, pushes=is_lease)
         tenant = caller.tenant
-        if tenant is None or held_thing is None:
+        if tenant is None or opened is None:
             return await handler(request, ctx)
         async with self._locks.hold(f"tenant:{tenant.name}"):  # ':' is in no adapter name
             if is_lease:
