@@ -33,6 +33,27 @@ _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<embed
 VOCAB_LAYERS = ("embed_tokens", "lm_head")
 
 
+# PEFT's save_embedding_layers (on by default when a vocabulary layer is adapted): a full
+# copy of that layer's frozen base weight, '<module>.base_layer.weight'.
+_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
+
+
+def is_base_copy(key: str) -> bool:
+    """Whether `key` is PEFT's copy of a vocabulary layer's base weight. Not a LoRA weight:
+    both engines' disk loaders skip it (vLLM: is_base_embedding_weights), so every path
+    skips it too (`lora_weights`, check_adapter, the workers' intake) and an adapter gets one
+    verdict whether the copy is there or not."""
+    m = _BASE_COPY.match(key)
+    return m is not None and m["module"].rsplit(".", 1)[-1] in VOCAB_LAYERS
+
+
+def lora_weights(tensors: dict) -> dict:
+    """`tensors` less PEFT's vocabulary base copies (is_base_copy)."""
+    if not any(is_base_copy(k) for k in tensors):
+        return tensors
+    return {k: v for k, v in tensors.items() if not is_base_copy(k)}
+
+
 def parse_peft_key(key: str) -> tuple[str, str]:
     """'base_model.model.model.layers.0.mlp.up_proj.lora_A.weight' -> ('model.layers.0.mlp.up_proj', 'A');
     'base_model.model.model.embed_tokens.lora_embedding_B' -> ('model.embed_tokens', 'B')."""
@@ -48,11 +69,10 @@ def _parse_key(key: str) -> tuple[str, str, bool]:
     m = _PEFT_KEY.match(key)
     if not m:
         if key.endswith(".base_layer.weight"):
-            # PEFT's save_embedding_layers: a full copy of a vocabulary layer's base weight.
-            raise BadAdapter(f"tensor {key!r} is a base layer's weight, not a LoRA weight "
-                             "(PEFT saves it with save_embedding_layers=True); send the "
-                             "adapter without it (save_embedding_layers=False)",
-                             code="unknown_tensor")
+            raise BadAdapter(f"tensor {key!r} is a base layer's weight, not a LoRA weight; "
+                             "only the vocabulary layers' copies PEFT saves "
+                             f"(save_embedding_layers, on {'/'.join(VOCAB_LAYERS)}) are "
+                             "accepted, and ignored", code="unknown_tensor")
         raise BadAdapter(f"tensor {key!r} is not a PEFT LoRA weight name "
                          "(expected '<module>.lora_A.weight' or '<module>.lora_B.weight', or "
                          "'<module>.lora_embedding_A' / '_B' on an embedding)",
@@ -105,6 +125,7 @@ class LoRAAdapter:
     config: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        self.tensors = lora_weights(self.tensors)  # never sent: no engine reads them
         self.config = normalize_config(self.config, self.tensors.keys())
         self.tensors = sibling_order(self.tensors)
 
@@ -622,6 +643,7 @@ def _check_vocab_layer(key: str, module: str, model: ModelSpec) -> None:
 def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) -> dict:
     """Checks that `model` can serve an adapter with these tensors and config, from the header
     alone (before any tensor data is read). Returns the normalized config."""
+    specs = [s for s in specs if not is_base_copy(s.name)]  # read by no engine
     if not specs:
         raise BadAdapter("the adapter has no tensors", code="empty_adapter")
     cfg = normalize_config(config, [s.name for s in specs])

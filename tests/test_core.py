@@ -354,7 +354,7 @@ def test_peft_keys():
             parse_peft_key(key)
         assert e.value.code == "unknown_tensor"
     with pytest.raises(BadAdapter, match="save_embedding_layers"):
-        parse_peft_key("base_model.model.lm_head.base_layer.weight")
+        parse_peft_key("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight")
 
 
 def test_all_linear_becomes_explicit_module_list():

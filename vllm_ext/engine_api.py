@@ -118,6 +118,19 @@ TOUCHED = (
     "vllm.triton_utils:HAS_TRITON",
     "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase.add_lora_w13",
     "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase.add_lora_w2",
+    # Worker: the CPU LoRA ops, each row masked by its slot (mask_unadapted_rows)
+    "vllm.lora.ops:torch_ops",
+    "vllm.lora.ops.torch_ops:lora_ops",
+    "vllm.lora.punica_wrapper:punica_cpu",
+    "vllm.lora.ops.torch_ops.lora_ops:bgmv_shrink",
+    "vllm.lora.ops.torch_ops.lora_ops:bgmv_expand",
+    "vllm.lora.ops.torch_ops.lora_ops:bgmv_expand_slice",
+    "vllm.lora.ops.torch_ops.lora_ops:sgmv_shrink",
+    "vllm.lora.ops.torch_ops.lora_ops:sgmv_expand",
+    "vllm.lora.ops.torch_ops.lora_ops:sgmv_expand_slice",
+    "vllm.lora.punica_wrapper.punica_cpu:bgmv_shrink",
+    "vllm.lora.punica_wrapper.punica_cpu:bgmv_expand",
+    "vllm.lora.punica_wrapper.punica_cpu:bgmv_expand_slice",
 )
 
 
@@ -281,6 +294,41 @@ def max_lora_rank(engine_client) -> int:
 
 
 # ---------------------------------------------------------------- worker side
+# vLLM's CPU LoRA ops (lora/ops/torch_ops/lora_ops.py) pick each row's weights with
+# `weights[indices]`, and a row without an adapter carries index -1, which picks the LAST
+# slot: a base-model row batched with requests on the adapter in that slot (or, for the LM
+# head, any base row once the slot is filled) gets that adapter's delta. The sgmv ops call
+# the bgmv ones by their module's names, and the CPU Punica wrapper imported the bgmv ones.
+UNMASKED_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+
+
+def mask_unadapted_rows() -> None:
+    """Makes every CPU LoRA op add nothing to a row without an adapter (index < 0): its input
+    row is zeroed before the op (shrink then writes zeros, expand adds zeros), which is what
+    the GPU kernels do by skipping the row. Idempotent; run in every worker before its first
+    forward pass (worker_extensions.vllm imports it)."""
+    from vllm.lora.ops import torch_ops
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+    for name in UNMASKED_OPS:
+        op = getattr(lora_ops, name)
+        if getattr(op, "lora_sync_masked", False):
+            continue
+        masked = _on_adapted_rows(op)
+        for module in (lora_ops, torch_ops, punica_cpu):
+            setattr(module, name, masked)
+
+
+def _on_adapted_rows(op):
+    def op_on_adapted_rows(inputs, weights, output, indices, *args, **kwargs):
+        # Branch-free (no data-dependent `if`), so it traces like the op it wraps.
+        unadapted = (indices < 0).view(-1, *([1] * (inputs.dim() - 1)))
+        return op(inputs.masked_fill(unadapted, 0), weights, output, indices, *args, **kwargs)
+    op_on_adapted_rows.lora_sync_masked = True
+    op_on_adapted_rows.__wrapped__ = op
+    return op_on_adapted_rows
+
+
 def worker_lora_manager(worker):
     manager = worker.model_runner.lora_manager
     if manager is None:

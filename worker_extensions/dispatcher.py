@@ -9,6 +9,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 
+from lora_sync.adapter import lora_weights
 from lora_sync.errors import BadRequest
 from lora_sync.messages import IntakeRequest, WorkerReply
 from lora_sync.notices import write_notice
@@ -110,7 +111,9 @@ class LoRASyncWorker:
                                  name="lora-sync-fill-pages", daemon=True).start()
             t1 = time.perf_counter()
             check_intake(received.tensors, intake.checksum, intake.check_finite)
-            stored = StoredAdapter(received.tensors, intake.config, received.nbytes,
+            # What check_adapter left out of the verdict never reaches the engine either.
+            stored = StoredAdapter(lora_weights(received.tensors), intake.config,
+                                   received.nbytes,
                                    buffers=received.buffers, read_only=received.read_only)
             t2 = time.perf_counter()
             stored.built = engine_refusal(self.engine.build, intake.adapter_id, stored,

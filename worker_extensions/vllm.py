@@ -9,6 +9,10 @@ from vllm_ext import engine_api
 from .dispatcher import LoRASyncWorker, WorkerEngine
 from .receiver import StoredAdapter
 
+# vLLM imports this module in each worker before the model's first forward pass: a row
+# without an adapter must never get the last slot's (engine_api.mask_unadapted_rows).
+engine_api.mask_unadapted_rows()
+
 
 class VLLMWorkerEngine(WorkerEngine):
     # build leaves lora_B's scaling to our slot writer, or folds it itself (out of place when
