@@ -265,18 +265,21 @@ class Coverage:
     trainer applies the same one (it travels in lora_sync_info) before a broadcast. The
     default constrains nothing: what an old server's info, or a fake engine, gives.
     `config_features`: the CONFIG_FEATURES the engine reads (and serves as PEFT does).
-    `vocab`: the VOCAB_LAYERS it serves LoRA on."""
+    `vocab`: the VOCAB_LAYERS it serves LoRA on. `whole_experts`: it serves expert LoRA in
+    an MoE block only when every expert of the block has all of moe.PROJECTIONS."""
     engine: str = "the engine"
     fused: tuple[FusedLayer, ...] = ()
     dtypes: frozenset[str] = frozenset(wire.DTYPES)  # safetensors tags
     config_features: frozenset[str] = frozenset(CONFIG_FEATURES)
     vocab: frozenset[str] = frozenset(VOCAB_LAYERS)
+    whole_experts: bool = False
 
     def to_json(self) -> dict:
         return {"engine": self.engine, "dtypes": sorted(self.dtypes),
                 "fused": [{"name": f.name, "parts": list(f.parts), "needs": sorted(f.needs)}
                           for f in self.fused],
-                "config_features": sorted(self.config_features), "vocab": sorted(self.vocab)}
+                "config_features": sorted(self.config_features), "vocab": sorted(self.vocab),
+                "whole_experts": self.whole_experts}
 
     @classmethod
     def from_json(cls, body: dict) -> "Coverage":
@@ -303,8 +306,10 @@ class Coverage:
                                    "config_features")) & frozenset(CONFIG_FEATURES)
         # A server from before vocab refuses LoRA on the vocabulary layers itself.
         vocab = frozenset(names(body.get("vocab", []), "vocab")) & frozenset(VOCAB_LAYERS)
+        if not isinstance(body.get("whole_experts", False), bool):
+            raise ValueError("lora_sync_info coverage whole_experts must be true or false")
         return cls(str(body.get("engine", cls.engine))[:64], tuple(fused), dtypes, features,
-                   vocab)
+                   vocab, body.get("whole_experts", False))
 
 
 @dataclass(frozen=True)
@@ -411,6 +416,30 @@ def check_coverage(modules, coverage: Coverage) -> None:
                 f"{', '.join(sorted(f.needs))} wherever it adapts any of them); add "
                 f"{', '.join(missing)} with a zero lora_B, which changes nothing",
                 code="unsupported_module")
+
+
+def check_whole_experts(modules, model: "ModelSpec") -> None:
+    """Where the engine serves expert LoRA only on whole blocks (Coverage.whole_experts:
+    vLLM's LoRALayerWeights.pack_moe asserts every expert has gate, up and down), an MoE
+    block whose adapter leaves an expert or a projection out is refused by name."""
+    if not model.coverage.whole_experts:
+        return
+    adapted: dict[str, set[tuple[int, str]]] = {}
+    for module in modules:
+        parent, _, projection = module.rpartition(".")
+        prefix, _, index = parent.rpartition(".")
+        if projection in moe.PROJECTIONS and prefix in model.experts:
+            adapted.setdefault(prefix, set()).add((int(index), projection))
+    for prefix, have in sorted(adapted.items()):
+        missing = [f"{prefix}.{e}.{p}" for e in range(model.experts[prefix][0])
+                   for p in moe.PROJECTIONS if (e, p) not in have]
+        if missing:
+            raise BadAdapter(
+                f"module {missing[0]!r}: {model.coverage.engine} serves expert LoRA only "
+                f"when every expert of a block has {', '.join(moe.PROJECTIONS)}; this adapter "
+                f"leaves out {len(missing)} of {prefix!r} ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''}); add them with a zero lora_B, which "
+                "changes nothing", code="unsupported_module")
 
 
 # PEFT features that change what an adapter computes and that lora-sync does not serve: each
@@ -712,4 +741,5 @@ def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) 
                              code="bad_shape")
     check_config_features(cfg, ranks, model.coverage)
     check_coverage(halves, model.coverage)
+    check_whole_experts(halves, model)
     return cfg

@@ -39,6 +39,10 @@ class ErrorCode(str, Enum):
     TRANSFER_MISMATCH = "transfer_mismatch"  # a broadcast that is not what was declared
     LAYOUT_UNKNOWN = "layout_unknown"  # a broadcast naming a layout its group does not hold
     PROTOCOL_MISMATCH = "protocol_mismatch"  # a request of another protocol version
+    # the engine's own load route: the path is not a local PEFT directory lora-sync can check
+    BAD_ADAPTER_DIR = "bad_adapter_dir"
+    # a route not known to apply the adapter a request names (admission's route classes)
+    ROUTE_REFUSES_ADAPTER = "route_refuses_adapter"
     # 401 / 403: access
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"

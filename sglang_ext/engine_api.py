@@ -286,7 +286,7 @@ def forget_usage(tm, lora_id: str) -> None:
 
 
 # SGLang's own routes that load or unload adapters by name (admin-optional upstream).
-NATIVE_ADAPTER_ROUTES = (("POST", ENGINES["sglang"].native_load, "lora_name"),
+NATIVE_ADAPTER_ROUTES = (("POST", ENGINES["sglang"].native_load, "lora_name", False, "lora_path"),
                          ("POST", ENGINES["sglang"].native_unload, "lora_name"))
 
 

@@ -23,6 +23,8 @@ PREVIOUS_SERVES = "tests/test_coverage.py::test_refused_rows_leave_the_previous_
 SGLANG_CODE = "tests/test_coverage.py::test_sglang_reads_no_config_feature_and_its_coverage_says_so"
 MOE_SERVED = "tests/test_moe_serving.py::test_moe_lora_syncs_as_disk_and_peft_on_each_engine"
 MOE_CHECKED = "tests/test_moe_serving.py::test_expert_adapters_are_checked_against_the_models_experts"
+MOE_LEFT_OUT = ("tests/test_moe_serving.py::"
+                "test_a_block_with_experts_left_out_is_refused_where_the_engine_needs_it_whole")
 MOE_SHARED = "tests/test_moe_serving.py::test_a_shared_expert_is_refused_by_name"
 
 
@@ -164,6 +166,17 @@ ROWS = (
                              "the fused-MoE runner core, fused_moe_lora and "
                              "moe_lora_align_block_size (tests/sgl_kernel_standin)",
                              [MOE_SERVED, MOE_CHECKED], "tensors, shm, broadcast"),
+        }),
+    Row("MoE experts, some left out", "routed-expert LoRA on some experts of a block only, "
+        "or on an expert without all of gate_proj, up_proj and down_proj", {
+            "vllm": refused("unsupported_module", "zero lora_B",
+                            "vllm/lora/lora_weights.py LoRALayerWeights.pack_moe asserts that "
+                            "every expert of the block has all three (a 500 before): send the "
+                            "ones left out with a zero lora_B, which changes nothing",
+                            [MOE_LEFT_OUT, MOE_SERVED]),
+            "sglang": served("served with the experts it has, token-identical to SGLang's own "
+                             "disk route",
+                             [MOE_LEFT_OUT, MOE_SERVED]),
         }),
     Row("MoE shared experts and router", "LoRA on an MoE block's shared expert "
         "(Qwen2-MoE `shared_expert`) or its router", both(refused(

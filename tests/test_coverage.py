@@ -554,9 +554,9 @@ def test_sglang_serves_what_it_reads_and_refuses_what_it_would_serve_wrong(sglan
                                                                           workdir):
     """SGLang: the cases it serves are token-identical to its disk route and to PEFT; the
     ones it would serve wrong are refused by name (400 unsupported_module), the version
-    before keeps serving, and its own disk route shows why: it serves the weights as if the
-    feature were absent (alpha_pattern, use_rslora; rank_pattern's other ranks fail SGLang's
-    buffer-shape assert in the scheduler, not tried on a shared server)."""
+    before keeps serving, and SGLang's own disk route on this server refuses them with the
+    same code (unchecked, it served the weights as if the feature were absent: alpha_pattern,
+    use_rslora; rank_pattern's other ranks failed SGLang's buffer-shape assert)."""
     with LoRASyncClient(sglang.url, engine="sglang", api_key=sglang.api_key) as c:
         for i, case in enumerate(served_cases("sglang")):
             served_as_disk_and_peft(c, "sglang", case, 800 + i, f"cov-s-{i}",
@@ -576,5 +576,9 @@ def test_sglang_serves_what_it_reads_and_refuses_what_it_would_serve_wrong(sglan
             if case in WITHOUT:
                 _, plain = oracle(model_dir, 860 + i, PROMPT, N_TOKENS, **WITHOUT[case])
                 assert plain != want, case  # the feature changes the output
-                assert disk_text(c, adapter, f"sw{i}", workdir) == plain, case
+            # SGLang's own disk route on this server: the same verdict (it used to serve
+            # these weights as if the feature were absent)
+            with pytest.raises(LoRASyncError) as e:
+                disk_text(c, adapter, f"sw{i}", workdir)
+            assert (e.value.status, e.value.code) == (400, cell.code), case
     assert sglang.alive(), sglang.log_tail()

@@ -17,7 +17,7 @@ import torch
 
 from lora_sync import LoRAAdapter, LoRASyncClient
 from lora_sync.adapter import ModelSpec, check_adapter
-from lora_sync.errors import BadAdapter
+from lora_sync.errors import BadAdapter, LoRASyncError
 
 from .conftest import GENERATION_KEY
 from .helpers import PROMPT, disk_model, push_by
@@ -98,6 +98,39 @@ def test_expert_adapters_are_checked_against_the_models_experts(moe_dir):
     refused(router, cfg, "unknown_module", "router")
 
 
+def test_a_block_with_experts_left_out_is_refused_where_the_engine_needs_it_whole(moe_dir):
+    """vLLM packs a block's expert LoRA only when every expert has gate, up and down (its
+    pack_moe asserts, a 500 before): an adapter leaving out an expert, or one projection of
+    one, is refused by name there (Coverage.whole_experts); SGLang serves it, and whole
+    blocks are served on both. The trainer reads the same rule from lora_sync_info."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from vllm_ext.bridge import COVERAGE
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(moe_dir), 16)
+    vllm_spec = dataclasses.replace(spec, coverage=COVERAGE)
+    assert ModelSpec.from_info(vllm_spec.info()) == vllm_spec
+    adapter, _ = oracle(moe_dir, 6, **CASES["experts and attention"][0])
+    key = "base_model.model.model.layers.1.mlp.experts.{}.{}.lora_{}.weight"
+    whole = adapter.tensors
+    for e, parts, named in ((3, ("gate_proj", "up_proj", "down_proj"), "experts.3.gate_proj"),
+                            (5, ("gate_proj",), "experts.5.gate_proj"),
+                            (7, ("down_proj",), "experts.7.down_proj")):
+        left_out = {key.format(e, p, h) for p in parts for h in "AB"}
+        tensors = {k: v for k, v in whole.items() if k not in left_out}
+        for s in (spec, vllm_spec):
+            specs = LoRAAdapter(tensors, adapter.config).specs()
+            if not s.coverage.whole_experts:
+                check_adapter(specs, adapter.config, s)
+                continue
+            with pytest.raises(BadAdapter) as e_info:
+                check_adapter(specs, adapter.config, s)
+            assert e_info.value.code == "unsupported_module", e_info.value.message
+            assert named in e_info.value.message and "zero lora_B" in e_info.value.message
+    check_adapter(adapter.specs(), adapter.config, vllm_spec)
+
+
 def test_a_shared_expert_is_refused_by_name():
     """Qwen2-MoE's shared expert is a plain MLP inside the MoE block: refused (not checked
     against PEFT on either engine), named as such; the routed experts still fit."""
@@ -141,4 +174,22 @@ def test_moe_lora_syncs_as_disk_and_peft_on_each_engine(request, engine, moe_dir
             adapter.save(tmp_path / disk)
             c.load_from_disk(str(tmp_path / disk), disk)
             assert server_greedy(reader, disk_model(c, disk), PROMPT, N_TOKENS) == want, case
+        # An expert left out: vLLM needs whole blocks (400 by name, the version before keeps
+        # serving: it was a 500 from pack_moe); SGLang serves it as its disk route does.
+        adapter, _ = oracle(moe_dir, 69, **CASES["experts and attention"][0])
+        left_out = {k: v for k, v in adapter.tensors.items() if ".experts.2." not in k}
+        adapter = LoRAAdapter(left_out, adapter.config)
+        if engine == "vllm":
+            kept = server_greedy(reader, "moe-1", PROMPT, N_TOKENS)
+            with pytest.raises(LoRASyncError) as e:
+                c.push(adapter, "moe-1", transport="tensors")
+            assert (e.value.status, e.value.code) == (400, "unsupported_module"), e.value
+            assert "experts.2.gate_proj" in e.value.message
+            assert server_greedy(reader, "moe-1", PROMPT, N_TOKENS) == kept
+        else:
+            [res] = c.push(adapter, "moe-left-out", transport="tensors")
+            adapter.save(tmp_path / "moe-left-out-disk")
+            c.load_from_disk(str(tmp_path / "moe-left-out-disk"), "moe-left-out-disk")
+            assert server_greedy(reader, res.name, PROMPT, N_TOKENS) == server_greedy(
+                reader, disk_model(c, "moe-left-out-disk"), PROMPT, N_TOKENS)
         assert server.alive(), server.log_tail()

@@ -25,7 +25,8 @@ WORKER_METHOD = "lora_sync_call"
 # sized by --max-lora-rank; PEFTHelper.validate_legal counts every rank_pattern value.
 COVERAGE = Coverage("vLLM", (FusedLayer("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                              FusedLayer("gate_up_proj", ("gate_proj", "up_proj"))),
-                    config_features=frozenset({"rank_pattern", "alpha_pattern", "use_rslora"}))
+                    config_features=frozenset({"rank_pattern", "alpha_pattern", "use_rslora"}),
+                    whole_experts=True)
 
 
 class VLLMBridge(EngineBridge):

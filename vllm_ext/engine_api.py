@@ -173,9 +173,10 @@ def engine_names(app_state) -> set[str]:
 # The engine's own routes that load or unload adapters by name (SageMaker's come with
 # VLLM_ALLOW_RUNTIME_LORA_UPDATING through model_hosting_container_standards).
 # Unloading only forgets the name (vllm#54839): lora-sync evicts the cached copy after.
-NATIVE_ADAPTER_ROUTES = (("POST", ENGINES["vllm"].native_load, "lora_name"),
+NATIVE_ADAPTER_ROUTES = (("POST", ENGINES["vllm"].native_load, "lora_name", False, "lora_path"),
                          ("POST", ENGINES["vllm"].native_unload, "lora_name", True),
-                         ("POST", "/adapters", "name"), ("DELETE", "/adapters/", None, True))
+                         ("POST", "/adapters", "name", False, "src"),
+                         ("DELETE", "/adapters/", None, True))
 # vLLM's --api-key middleware guards only these prefixes (serve/middleware/authenticate.py):
 # /invocations, for one, generates unguarded.
 KEY_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")

@@ -47,11 +47,13 @@ METRICS_PATH = "/metrics"
 class NativeRoute:
     """An engine route that loads or unloads adapters by name: `field` names it in the JSON
     body, or `path_prefix` + name is the path (SageMaker's DELETE /adapters/<name>).
-    `unloads`: a 2xx reply takes the name away, so the engine's copy is evicted too."""
+    `unloads`: a 2xx reply takes the name away, so the engine's copy is evicted too.
+    `path_field`: where a load names the adapter's directory (it gets a push's verdict)."""
     method: str
     path: str
     field: str | None = None
     unloads: bool = False
+    path_field: str | None = None
 
 
 class AdmissionMiddleware:
@@ -114,7 +116,9 @@ class AdmissionMiddleware:
                 if native.unloads:
                     return await self._unload_native(service, name, scope,
                                                      _replay(body, receive), send)
-                await service.refuse_if_unsupported()  # a load: a push by the engine's route
+                # a load: a push by the engine's route, with a push's verdict
+                await service.check_native_load(
+                    request.get(native.path_field) if isinstance(request, dict) else None)
                 return await self.app(scope, _replay(body, receive), send)
             admitted, scope, body = self._admit(service, scope, request, body)
         except LoRASyncError as e:

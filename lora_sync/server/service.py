@@ -13,7 +13,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
-from .. import naming
+from .. import adapter_dir, naming
 from ..adapter import ModelSpec, check_adapter
 from ..errors import BadRequest, Conflict, Forbidden, LoRASyncError, NotFound, TooBusy, \
     Unauthorized
@@ -180,6 +180,16 @@ class AdapterService:
         if reason is not None:
             raise Conflict(f"this server cannot serve LoRA adapters for its model, so it "
                            f"refuses every push: {reason}", code="model_unsupported")
+
+    async def check_native_load(self, path) -> None:
+        """The engine's own load route on this server: the adapter at `path` gets the
+        verdict a push of it gets (check_adapter on its config and tensor header), before
+        the engine reads a byte of it; the same refusal when the model's LoRA path cannot
+        run. A path lora-sync cannot check (not a local directory, pickle weights) is
+        refused: no adapter reaches the engine without a verdict."""
+        await self.refuse_if_unsupported()
+        specs, config = adapter_dir.read_header(path)
+        check_adapter(specs, config, await self.model_spec())
 
     # -- access ------------------------------------------------------------------------
     def authorize(self, authorization: str | None) -> Caller:
