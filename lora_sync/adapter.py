@@ -203,6 +203,22 @@ def parse_config(raw: str | None) -> dict:
     return cfg
 
 
+# A float is NaN or Inf exactly when all its exponent bits are set: checking the bits on an
+# integer view is several times cheaper than torch.isfinite on CPU.
+_EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.float16: (torch.int16, 0x7C00),
+             torch.bfloat16: (torch.int16, 0x7F80)}
+
+
+def check_finite(tensors: dict[str, torch.Tensor], enabled: bool) -> None:
+    """NaN/Inf weights would poison every request on the version: refuse them."""
+    if not enabled:
+        return
+    for name, t in tensors.items():
+        as_int, mask = _EXPONENT[t.dtype]
+        if t.numel() and int((t.view(as_int) & mask).max()) == mask:
+            raise BadAdapter(f"tensor {name!r} contains NaN or Inf values", code="non_finite")
+
+
 def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name, t in tensors.items():

@@ -20,9 +20,11 @@ PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt")
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def read_header(path) -> tuple[list[wire.TensorSpec], dict]:
-    """(the tensors' specs, the config) of the PEFT directory `path`; BadAdapter naming what
-    is wrong (`bad_adapter_dir`) when it is not a local directory lora-sync can check."""
+def read_header(path, data_limit: int | None = None):
+    """(the tensors' specs, the config, the tensors) of the PEFT directory `path`; the
+    tensors only with a `data_limit` (bytes; a larger file is refused), else None. BadAdapter
+    naming what is wrong (`bad_adapter_dir`) when it is not a local directory lora-sync can
+    check."""
     if not isinstance(path, str) or not path or "\0" in path:
         raise _bad(f"the adapter path must be a local directory, got {str(path)[:100]!r}")
     try:
@@ -42,9 +44,15 @@ def read_header(path) -> tuple[list[wire.TensorSpec], dict]:
         fd = _open_regular(dir_fd, WEIGHTS_FILE)
         with open(fd, "rb", closefd=True) as f:
             size = os.fstat(f.fileno()).st_size
+            if data_limit is not None and size > data_limit:
+                raise _bad(f"{WEIGHTS_FILE} is larger than {data_limit} bytes")
             prefix = f.read(8)
             head = prefix + f.read(wire.header_length(prefix) - 8)
-        return wire.parse_header(head, body_len=size).specs, config
+            header = wire.parse_header(head, body_len=size)
+            if data_limit is None:
+                return header.specs, config, None
+            body = bytearray(head) + f.read(size - len(head))
+        return header.specs, config, wire.view_tensors(body, header)
     except ValueError as e:  # the config's JSON
         raise _bad(f"{CONFIG_FILE} is not valid JSON: {str(e)[:200]}") from None
     finally:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lora_sync import collective
-from lora_sync.adapter import tensors_checksum
+from lora_sync.adapter import check_finite, tensors_checksum
 from lora_sync.errors import BadAdapter, BadRequest, Conflict, TransferFailed
 from lora_sync.messages import WorkerReply
 from lora_sync.notices import write_notice
@@ -128,12 +128,6 @@ class WorkerState:
         return pg is not None
 
 
-# A float is NaN or Inf exactly when all its exponent bits are set: checking the bits on an
-# integer view is several times cheaper than torch.isfinite on CPU.
-_EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.float16: (torch.int16, 0x7C00),
-             torch.bfloat16: (torch.int16, 0x7F80)}
-
-
 def check_intake(tensors: dict[str, torch.Tensor], checksum: str | None,
                  finite: bool) -> None:
     """What every transport checks once the tensors are in the worker. `finite`: the
@@ -145,16 +139,6 @@ def check_intake(tensors: dict[str, torch.Tensor], checksum: str | None,
         if actual != checksum:
             raise BadAdapter(f"checksum mismatch: the tensors hash to {actual}, the request "
                              f"says {checksum}", code="checksum_mismatch")
-
-
-def check_finite(tensors: dict[str, torch.Tensor], enabled: bool) -> None:
-    """NaN/Inf weights would poison every request on the version: refuse them."""
-    if not enabled:
-        return
-    for name, t in tensors.items():
-        as_int, mask = _EXPONENT[t.dtype]
-        if t.numel() and int((t.view(as_int) & mask).max()) == mask:
-            raise BadAdapter(f"tensor {name!r} contains NaN or Inf values", code="non_finite")
 
 
 def engine_refusal(fn, *args):

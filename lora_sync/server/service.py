@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
 from .. import adapter_dir, naming
-from ..adapter import ModelSpec, check_adapter
+from ..adapter import ModelSpec, check_adapter, check_finite, lora_weights
 from ..errors import BadRequest, Conflict, Forbidden, LoRASyncError, NotFound, TooBusy, \
     Unauthorized
 from ..messages import IntakeRequest, WorkerReply
@@ -186,10 +186,14 @@ class AdapterService:
         verdict a push of it gets (check_adapter on its config and tensor header), before
         the engine reads a byte of it; the same refusal when the model's LoRA path cannot
         run. A path lora-sync cannot check (not a local directory, pickle weights) is
-        refused: no adapter reaches the engine without a verdict."""
+        refused: no adapter reaches the engine without a verdict. With check_finite, the
+        weights are read too, as a push's are in the workers."""
         await self.refuse_if_unsupported()
-        specs, config = adapter_dir.read_header(path)
+        limit = self.settings.max_body_bytes if self.settings.check_finite else None
+        specs, config, tensors = await asyncio.to_thread(adapter_dir.read_header, path, limit)
         check_adapter(specs, config, await self.model_spec())
+        if tensors is not None:
+            check_finite(lora_weights(tensors), True)
 
     # -- access ------------------------------------------------------------------------
     def authorize(self, authorization: str | None) -> Caller:
