@@ -437,3 +437,50 @@ def test_random_fleets_serve_what_they_acknowledged(fleet, make_adapter, data):
         wait_until(lambda: not _held_shared(c), 15, "every version drained")
     wait_until(readers_gone, 15, "no shared copy left open or mapped")
 
+
+
+def test_a_fifo_swapped_in_by_dup2_is_never_opened(tmp_path):
+    """The descriptor a request names is flipped between the claimed memfd and a FIFO by
+    dup2, as fast as the test can, while the server opens it (bounded: 300 requests). A
+    writer waits in open() on the FIFO, released only if anyone opens it to read: the server
+    opens what it checked (an O_PATH pin, then that file), so the FIFO never is."""
+    import threading
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    claim = "ab" * 32
+    memfd = os.memfd_create(memfd_name(claim), os.MFD_ALLOW_SEALING)
+    pinned_fifo = os.open(fifo, os.O_PATH)
+    slot = os.dup(memfd)
+    opened, stop = threading.Event(), threading.Event()
+
+    def writer():  # returns once a reader opened the FIFO
+        os.close(os.open(fifo, os.O_WRONLY))
+        opened.set()
+
+    def flip():
+        while not stop.is_set():
+            os.dup2(pinned_fifo, slot)
+            os.dup2(memfd, slot)
+    threads = [threading.Thread(target=writer, daemon=True), threading.Thread(target=flip)]
+    for t in threads:
+        t.start()
+    codes = set()
+    try:
+        request = shared_copy.SharedRequest(f"/proc/self/fd/{slot}", 0, claim)
+        for _ in range(300):
+            try:
+                os.close(shared_copy.open_shared(request))
+                codes.add("opened")
+            except LoRASyncError as e:
+                codes.add(e.code)
+    finally:
+        stop.set()
+        threads[1].join(timeout=10)
+        released = opened.is_set()
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # let the writer go
+        threads[0].join(timeout=10)
+        for fd in (memfd, pinned_fifo, slot):
+            os.close(fd)
+    assert not released, "the server opened the FIFO"
+    # the memfd itself (unsealed) and the FIFO were both seen: the race was run
+    assert codes == {"bad_shared_file", "shared_unreachable"}, codes

@@ -177,24 +177,28 @@ def open_shared(req: SharedRequest) -> int:
         return BadRequest(f"{req.path} {why}: the shared copy is not reachable from this "
                           "server (another host, PID namespace or user?); push with shm or "
                           "tensors", code="shared_unreachable")
+    # Open first, then look at what was opened: an O_PATH descriptor pins the file the path
+    # names now without opening it (a FIFO or a device swapped in by dup2 is never opened);
+    # only once that file is checked is it opened for reading, through this descriptor.
     try:
-        # Before opening: only a regular file without links (opening a device or a FIFO
-        # another process holds may have effects); checked again on the descriptor.
-        st = os.stat(req.path)
-    except OSError as e:
-        raise unreachable(f"cannot be looked at ({os.strerror(e.errno)})") from None
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 0:
-        raise unreachable("is not an anonymous memory file")
-    try:
-        fd = os.open(req.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        pinned = os.open(req.path, os.O_PATH | os.O_CLOEXEC)
     except OSError as e:
         raise unreachable(f"cannot be opened ({os.strerror(e.errno)})") from None
     try:
-        st = os.fstat(fd)
-        target = os.readlink(f"/proc/self/fd/{fd}")
+        st = os.fstat(pinned)
+        target = os.readlink(f"/proc/self/fd/{pinned}")
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 0 \
                 or target != f"/memfd:{memfd_name(req.claim)} (deleted)":
             raise unreachable("is not the shared copy this request claims")
+        fd = os.open(f"/proc/self/fd/{pinned}",
+                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as e:
+        raise unreachable(f"cannot be opened ({os.strerror(e.errno)})") from None
+    finally:
+        os.close(pinned)
+    try:
+        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != (st.st_dev, st.st_ino):
+            raise unreachable("changed while it was opened")
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:
