@@ -41,8 +41,6 @@ class ErrorCode(str, Enum):
     PROTOCOL_MISMATCH = "protocol_mismatch"  # a request of another protocol version
     # the engine's own load route: the path is not a local PEFT directory lora-sync can check
     BAD_ADAPTER_DIR = "bad_adapter_dir"
-    # a route not known to apply the adapter a request names (admission's route classes)
-    ROUTE_REFUSES_ADAPTER = "route_refuses_adapter"
     # 401 / 403: access
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"

@@ -227,6 +227,23 @@ def render() -> str:
         "a `.`; matching is bounded in time), each module's tensors must have the rank the "
         "config gives it, and no rank may exceed `--max-lora-rank`.",
         "",
+        "One adapter, one verdict: the verdict is computed in one place (`check_adapter`, "
+        "then the workers' intake checks) for every way an adapter comes in: each transport, "
+        "each input form (a PEFT model, a PEFT directory as PEFT writes it, a state dict, raw "
+        "safetensors) and the engine's own load route on a server running lora-sync, which "
+        "reads the directory's config and tensor header first and refuses a path it cannot "
+        "check (`bad_adapter_dir`: not a local directory, pickle weights). PEFT's copies of "
+        "a vocabulary layer's base weight (`save_embedding_layers`, on by default) are read "
+        "by no engine's disk loader and are skipped on every path "
+        "(tests/test_one_verdict.py, generated adapters).",
+        "",
+        "One output per name: no adapter changes another name's output, base included, alone "
+        "or in the same batch. vLLM's CPU LoRA ops gave a row without an adapter (index -1) "
+        "the last slot's weights; lora-sync masks those rows in every worker "
+        "(`vllm_ext.engine_api.mask_unadapted_rows`; tests/test_no_cross_talk.py runs random "
+        "pushes, retirements and mixed batches of linear, embedding and LM-head adapters on "
+        "both engines).",
+        "",
         "| Feature | What | vLLM 0.32 | SGLang 0.5.23 |",
         "|---|---|---|---|",
     ]

@@ -116,9 +116,11 @@ class AdmissionMiddleware:
                 if native.unloads:
                     return await self._unload_native(service, name, scope,
                                                      _replay(body, receive), send)
-                # a load: a push by the engine's route, with a push's verdict
-                await service.check_native_load(
-                    request.get(native.path_field) if isinstance(request, dict) else None)
+                if native.path_field is not None:  # a load: a push's verdict first
+                    await service.check_native_load(
+                        request.get(native.path_field) if isinstance(request, dict) else None)
+                else:
+                    await service.refuse_if_unsupported()
                 return await self.app(scope, _replay(body, receive), send)
             admitted, scope, body = self._admit(service, scope, request, body)
         except LoRASyncError as e:
