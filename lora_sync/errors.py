@@ -41,6 +41,8 @@ class ErrorCode(str, Enum):
     PROTOCOL_MISMATCH = "protocol_mismatch"  # a request of another protocol version
     # the engine's own load route: the path is not a local PEFT directory lora-sync can check
     BAD_ADAPTER_DIR = "bad_adapter_dir"
+    # a route that would not hand the engine the adapter the request names (server/applied.py)
+    ROUTE_IGNORES_ADAPTER = "route_ignores_adapter"
     # 401 / 403: access
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"

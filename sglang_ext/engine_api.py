@@ -58,6 +58,8 @@ TOUCHED = (
     "sglang.srt.managers.communicator:FanOutCommunicator.__call__(obj)",
     "sglang.srt.managers.communicator:FanOutCommunicator.handle_recv(recv_obj)",
     "sglang.srt.managers.tokenizer_manager:TokenizerManager._dispatch_to_scheduler(obj)",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.generate_request(obj, request)",
+    "sglang.srt.managers.io_struct:GenerateReqInput.lora_path",
     "sglang.srt.managers.tokenizer_manager:TokenizerManager._result_dispatcher",
     "sglang.srt.managers.tokenizer_manager:TokenizerManager.auto_create_handle_loop()",
     "sglang.srt.entrypoints.http_server:app",
@@ -112,6 +114,23 @@ def register_hooks(on_scheduler: Callable, on_tokenizer_manager: Callable) -> No
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.init_request_dispatcher",
         lambda result, self, *a, **k: on_tokenizer_manager(self), HookType.AFTER)
+
+
+def report_engine_requests(tm, report) -> None:
+    """Calls `report([adapter name or None, ...])` (one per prompt) for every request the
+    tokenizer manager takes (generate_request: /generate, the OpenAI, Anthropic, Ollama and
+    scoring routes), before it reaches the scheduler; an exception from `report` refuses
+    the request (lora_sync.server.applied)."""
+    generate_request = tm.generate_request
+    if getattr(generate_request, "lora_sync_reports", False):
+        return
+
+    def generate_request_reported(obj, request=None):
+        paths = getattr(obj, "lora_path", None)
+        report(paths if isinstance(paths, list) and paths else [paths])
+        return generate_request(obj, request)
+    generate_request_reported.lora_sync_reports = True
+    tm.generate_request = generate_request_reported
 
 
 # ---------------------------------------------------------------- scheduler side

@@ -31,7 +31,7 @@ def _on_scheduler(scheduler) -> None:
 def _on_tokenizer_manager(tm) -> None:
     engine_api.check_version()
     engine_api.check_layout(tm)
-    from lora_sync.server import metrics
+    from lora_sync.server import applied, metrics
     from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
     from lora_sync.server.routes import build_router, own_paths
     from lora_sync.server.service import AdapterService
@@ -63,6 +63,8 @@ def _on_tokenizer_manager(tm) -> None:
         cache_key_fields={"extra_key": engine_api.LORA_ID_PREFIX},
         reads_adapter_header=False))
     app.state.lora_sync = service
+    # A request admitted on an adapter reaches the scheduler carrying it, or is refused.
+    engine_api.report_engine_requests(tm, applied.engine_request)
     if service.tenancy.enabled:
         engine_api.let_tenant_keys_through(
             own_paths(PREFIX), lambda header: service.tenancy.resolve(header).kind != "anonymous")

@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from lora_sync import LoRAAdapter, ModelSpec, check_adapter
 from lora_sync.engines import ENGINES
+from lora_sync.server import applied
 from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
 from lora_sync.messages import check_replies
 from lora_sync.server.bridge import EngineBridge
@@ -68,6 +69,7 @@ MAX_LORA_RANK = 64           # testbed.processes' --max-lora-rank
 BASE_TEXT = "base-model-says-hello"
 TEXT_CHARS = 24              # completion text: this many hex digits of the weights' digest
 MAX_FAKE_DELAY_S = 30.0
+BASE_ONLY_ROUTE = "/fake/base_only"  # reads `model`, always runs the base model
 # The fake serves lora-sync's routes and the engine's own disk routes where vLLM does.
 VLLM = ENGINES["vllm"]
 
@@ -301,6 +303,13 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
     async def health():
         return PlainTextResponse("")
 
+    @app.post(BASE_ONLY_ROUTE)
+    async def base_only(request: Request):
+        """A route that reads `model` but always runs the base model (as vLLM's /invocations
+        did after its SageMaker decorator rewrote `model`, and SGLang's /v1/messages)."""
+        applied.engine_request([None])
+        return {"text": BASE_TEXT}
+
     @app.get("/v1/models")
     async def models():
         names = sorted(bridge.base_names | set(bridge.disk) | set(bridge.table))
@@ -314,7 +323,9 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
             return _error(400, "body is not JSON")
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object")
-        model = body.get("model") or BASE_MODEL
+        # vLLM's SageMaker routes serve the adapter the header names, over `model`
+        model = request.headers.get("x-amzn-sagemaker-adapter-identifier") or \
+            body.get("model") or BASE_MODEL
         if not isinstance(model, str):
             return _error(400, "model must be a string")
         handle = bridge.table.get(model)
@@ -322,6 +333,8 @@ def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = 
             handle = FakeHandle(*bridge.disk[model], lora_id=model)
         if handle is None and model not in bridge.base_names:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        # The engine seam (as vLLM's AsyncLLM.add_request): what this request carries.
+        applied.engine_request([None if handle is None else model])
         delay = body.get("fake_delay_s", 0)
         delay = min(float(delay), MAX_FAKE_DELAY_S) if isinstance(delay, (int, float)) else 0
         if handle is None:

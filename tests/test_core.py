@@ -892,3 +892,19 @@ def test_a_sealed_lease_is_mapped_or_read_the_same(make_adapter):
                for k, t in adapter.tensors.items())
     assert read[next(iter(read))].data_ptr() == buf.data_ptr()  # views the buffer
     os.close(fd)
+
+
+def test_docs_protocol_md_lists_every_error_code():
+    """docs/protocol.md's error section (the status table and the client-side codes under
+    it) names every ErrorCode."""
+    import re
+    from pathlib import Path
+
+    from lora_sync.errors import ErrorCode
+    text = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    start = text.index("| status | when |")
+    end = text.find("\n## ", start)
+    section = text[start:end if end > 0 else None]
+    listed = set(re.findall(r"`([a-z_]+)`", section))
+    codes = {c.value for c in ErrorCode}
+    assert codes - listed == set(), "add these to docs/protocol.md's error section"

@@ -174,7 +174,7 @@ def test_admission_refuses_what_it_cannot_check(fake_server):
 def test_the_sagemaker_header_is_admitted_like_model(fake_server, fake_client, make_adapter):
     """Admission reads every place a name can be: with the SageMaker adapter header naming
     the alias, the request is rewritten to the newest version and counted (the fake engine
-    reads `model`, so only the reply headers show it here)."""
+    serves the adapter the header names, as vLLM's SageMaker routes do)."""
     c = fake_client
     c.push(make_adapter(seed=121), "sage", transport="tensors")
     c.push(make_adapter(seed=122), "sage", transport="tensors")

@@ -46,6 +46,10 @@ TOUCHED = (
     "vllm.v1.engine.output_processor:OutputProcessor.request_states",
     "vllm.v1.engine.output_processor:RequestState.lora_request",
     "vllm.v1.engine.async_llm:AsyncLLM.add_lora(lora_request)",
+    "vllm.v1.engine.async_llm:AsyncLLM.add_request(request_id, prompt, params, arrival_time,"
+    " lora_request)",
+    "vllm.v1.engine:EngineCoreRequest.lora_request",
+    "vllm.lora.request:LoRARequest.lora_name",
     "vllm.v1.engine.async_llm:AsyncLLM.remove_lora(lora_id)",
     "vllm.lora.request:LoRARequest.lora_int_id",
     "vllm.v1.engine.async_llm:AsyncLLM.collective_rpc(method, *, timeout, args)",
@@ -210,6 +214,25 @@ def let_tenant_keys_through(is_tenant_key) -> None:
         return verify(self, headers) or is_tenant_key(headers.get("Authorization"))
     verify_with_tenants.lora_sync_tenants = True
     AuthenticationMiddleware.verify_token = verify_with_tenants
+
+
+def report_engine_requests(report) -> None:
+    """Calls `report([adapter name or None])` for every request the API process hands
+    EngineCore, before it goes (AsyncLLM.add_request: generate, encode and every route on
+    them); an exception from `report` refuses the request (lora_sync.server.applied)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    add_request = AsyncLLM.add_request
+    if getattr(add_request, "lora_sync_reports", False):
+        return
+
+    async def add_request_reported(self, request_id, prompt, params, *args, **kwargs):
+        lora = kwargs.get("lora_request", args[1] if len(args) > 1 else None)
+        if lora is None:  # an EngineCoreRequest carries its own
+            lora = getattr(prompt, "lora_request", None)
+        report([None if lora is None else lora.lora_name])
+        return await add_request(self, request_id, prompt, params, *args, **kwargs)
+    add_request_reported.lora_sync_reports = True
+    AsyncLLM.add_request = add_request_reported
 
 
 def adapter_in_use(engine_client, lora_int_id: int) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from lora_sync.engines import ENGINES
-from lora_sync.server import metrics
+from lora_sync.server import applied, metrics
 from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
 from lora_sync.server.routes import build_router, own_paths
 from lora_sync.server.service import AdapterService
@@ -50,6 +50,8 @@ class LoRASyncEndpointPlugin:
         if getattr(args, "worker_extension_cls", "") != WORKER_EXTENSION:
             raise RuntimeError(f"lora-sync needs --worker-extension-cls {WORKER_EXTENSION}")
         state.lora_sync = service
+        # A request admitted on an adapter reaches EngineCore carrying it, or is refused.
+        engine_api.report_engine_requests(applied.engine_request)
         if service.tenancy.enabled and keys:
             engine_api.let_tenant_keys_through(
                 lambda header: service.tenancy.resolve(header).kind == "tenant")

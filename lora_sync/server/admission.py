@@ -13,7 +13,9 @@ Two more jobs, because they sit on the same path:
     never act on our names (`NativeRoute`); a load is refused, as our pushes are, while the
     model's LoRA path cannot run (`service.refuse_if_unsupported`);
   * SGLang's internal `lora_id` field is refused: it skips the engine's own checks.
-Every reply on an adapter carries `X-LoRA-Version` / `X-LoRA-Name` headers.
+Every reply on an adapter carries `X-LoRA-Version` / `X-LoRA-Name` headers, and is computed
+with that adapter: the engine's seam checks each request the route makes (applied.py), and a
+route that dropped the name is answered with a 400 instead.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from .. import naming
 from ..errors import BadRequest, LoRASyncError, NotFound, PayloadTooLarge
 from ..fields import loads
+from . import applied
 from .tenants import hide
 from .socket_body import RAW_RECEIVE
 
@@ -54,6 +57,15 @@ class NativeRoute:
     field: str | None = None
     unloads: bool = False
     path_field: str | None = None
+
+
+class _Named(list):
+    """The versions of ours a request names, admitted (counted in flight); `engine`: the
+    engine's own adapters it names."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine: list[str] = []
 
 
 class AdmissionMiddleware:
@@ -122,22 +134,40 @@ class AdmissionMiddleware:
                 else:
                     await service.refuse_if_unsupported()
                 return await self.app(scope, _replay(body, receive), send)
-            admitted, scope, body = self._admit(service, scope, request, body)
+            admitted, engine_named, scope, body = self._admit(service, scope, request, body)
         except LoRASyncError as e:
             return await _json_reply(send, e.status, e.to_json())
-        if not admitted:
+        if not admitted and not engine_named:
             return await self.app(scope, _replay(body, receive), send)
         versions = sorted({a.served_name: a for a in admitted}.values(), key=lambda a: a.version)
+        # Every engine request this route makes must carry exactly these (applied.py).
+        expected = applied.Expected(_route_path(scope), frozenset(
+            [a.served_name for a in admitted] + engine_named))
+        started = []  # "ours" once our refusal went in the engine's place, else "engine"
 
         async def send_with_version(message):
+            if started == ["ours"]:
+                return  # the engine's reply to a refused request: ours went instead
             if message["type"] == "http.response.start":
-                message = {**message, "headers": list(message.get("headers", [])) + [
-                    (b"x-lora-version", ",".join(str(a.version) for a in versions).encode()),
-                    (b"x-lora-name", ",".join(a.served_name for a in versions).encode())]}
+                if expected.refusal(message) is not None:
+                    started.append("ours")
+                    return await _json_reply(send, expected.refused.status,
+                                             expected.refused.to_json())
+                started.append("engine")
+                if versions:
+                    message = {**message, "headers": list(message.get("headers", [])) + [
+                        (b"x-lora-version", ",".join(str(a.version) for a in versions).encode()),
+                        (b"x-lora-name", ",".join(a.served_name for a in versions).encode())]}
             await send(message)
+        token = applied.expect(expected)
         try:
             await self.app(scope, _replay(body, receive), send_with_version)
+        except LoRASyncError as e:
+            if e is not expected.refused or started:
+                raise
+            await _json_reply(send, e.status, e.to_json())
         finally:
+            applied.done(token)
             for a in admitted:
                 service.finish_request(a.served_name)
 
@@ -164,8 +194,9 @@ class AdmissionMiddleware:
         return route
 
     def _admit(self, service, scope, request, body):
-        """Admits every adapter the request names; returns (admitted, scope, body) with the
-        request rewritten to name the admitted versions."""
+        """Admits every adapter the request names; returns (admitted, the engine's own
+        adapters it names, scope, body) with the request rewritten to name the admitted
+        versions."""
         if not isinstance(request, dict):
             request = {}  # no JSON names, but the SageMaker header may still name one
         places = [request] + [request[k] for k in NESTED if isinstance(request.get(k), dict)]
@@ -179,7 +210,7 @@ class AdmissionMiddleware:
                 if any(isinstance(v, str) and marker in v for v in values):
                     raise BadRequest(f"field {f!r} must not contain {marker!r}: the engine "
                                      "keys lora-sync's adapters by it", code="bad_request")
-        admitted, ok, model_served = [], False, None
+        admitted, ok, model_served = _Named(), False, None
         # Who asks (tenants.py): every name below is admitted for this caller, or answered
         # as a name that is not served.
         caller = service.caller(_header(scope, b"authorization"))
@@ -224,7 +255,7 @@ class AdmissionMiddleware:
         if (admitted or model_served) and request:  # rewritten: the engine reads the new one
             body = json.dumps(request).encode()
             scope = _with_header(scope, b"content-length", str(len(body)))
-        return admitted, scope, body
+        return admitted, admitted.engine, scope, body
 
     def _admit_model(self, service, model: str, admitted: list, caller) -> str | None:
         """`model` read as the engine reads it: the versioned name it resolves to if it is
@@ -249,9 +280,10 @@ class AdmissionMiddleware:
             return None
         record = service.admit(value, caller)
         if record is None:
-            if not service.tenancy.may_generate(caller, value) \
-                    and self.engine_adapter(service, value):
-                raise hide(value, "model")
+            if self.engine_adapter(service, value):
+                if not service.tenancy.may_generate(caller, value):
+                    raise hide(value, "model")
+                admitted.engine.append(value)
             return None
         admitted.append(record)
         return record.served_name
