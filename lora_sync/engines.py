@@ -42,6 +42,9 @@ ENGINES: dict[str, Engine] = {
 }
 
 # The trainer side: lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer.
+# The uvicorn release whose private request internals lora-sync's socket body reader was
+# checked against (lora_sync/server/socket_body.py); setup.py's server extras pin it.
+UVICORN_PIN = "0.54.0"
 TRL_SUPPORTED = {"1.16.0": "tested on CPU with AsyncGRPOTrainer against a real vLLM server"}
 
 

@@ -10,14 +10,17 @@ export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 
-# Debian tools the tests use: ip (hosts as network namespaces), unshare (servers in PID
-# namespaces of their own), strace (the local-user test watches what the server touches).
-missing=""
-command -v ip >/dev/null || missing="$missing iproute2"
-command -v unshare >/dev/null || missing="$missing util-linux"
-command -v strace >/dev/null || missing="$missing strace"
-if [ -n "$missing" ]; then
-  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing
+# Debian tools only the tests use (scripts/test.sh sets LORA_SYNC_TEST_TOOLS=1; the demo and
+# a plain install need none, nor root): ip (hosts as network namespaces), unshare (servers in
+# PID namespaces of their own), strace (the local-user test watches what the server touches).
+if [ "${LORA_SYNC_TEST_TOOLS:-0}" = "1" ]; then
+  missing=""
+  command -v ip >/dev/null || missing="$missing iproute2"
+  command -v unshare >/dev/null || missing="$missing util-linux"
+  command -v strace >/dev/null || missing="$missing strace"
+  if [ -n "$missing" ]; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing
+  fi
 fi
 
 SGLANG_LOG="$(mktemp -t lora-sync-install-sglang.XXXXXX)"

@@ -62,3 +62,17 @@ def test_the_drift_check_knows_every_engine_and_version():
                  if isinstance(node, ast.Assign)
                  and getattr(node.targets[0], "id", None) == "PINS_ENGINES")
     assert names == {**{e.display: name for name, e in ENGINES.items()}, "TRL": "trl"}
+
+
+def test_the_uvicorn_pin_is_declared_where_it_is_checked():
+    """The server refuses to start on another uvicorn (socket_body.check): every server
+    extra of setup.py pins exactly the release the table names, and the check reads it."""
+    from lora_sync.engines import UVICORN_PIN
+    from lora_sync.server.socket_body import KNOWN_UVICORN
+    tree = ast.parse((REPO / "setup.py").read_text())
+    extras = next(ast.literal_eval(k.value) for k in ast.walk(tree)
+                  if isinstance(k, ast.keyword) and k.arg == "extras_require")
+    for extra in ("vllm", "vllm-cpu", "sglang"):
+        pins = [r for r in extras[extra] if r.startswith("uvicorn")]
+        assert pins == [f"uvicorn=={UVICORN_PIN}"], (extra, extras[extra])
+    assert KNOWN_UVICORN == (UVICORN_PIN,)

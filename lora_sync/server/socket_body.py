@@ -38,9 +38,10 @@ import socket
 
 from starlette.requests import ClientDisconnect
 
+from ..engines import UVICORN_PIN
 from ..errors import PayloadTooLarge
 
-KNOWN_UVICORN = ("0.54.0",)
+KNOWN_UVICORN = (UVICORN_PIN,)
 READ_SIZE = 4 << 20
 # The scope key under which admission (the outermost middleware) leaves uvicorn's own
 # `receive` for our routes: middlewares further in may wrap it.
@@ -81,7 +82,8 @@ def check() -> None:
             f"lora-sync reads pushed bodies from the socket past uvicorn's internals, checked "
             f"on uvicorn {', '.join(KNOWN_UVICORN)}; this is uvicorn {uvicorn.__version__}"
             + (f" (its HTTP protocol does not use {missing})" if missing else "")
-            + ". Set LORA_SYNC_SOCKET_BODY=0 to read bodies through uvicorn instead.")
+            + f". Install uvicorn=={UVICORN_PIN} (lora-sync's server extras pin it), or set "
+            "LORA_SYNC_SOCKET_BODY=0 to read bodies through uvicorn instead.")
 
 
 class BodyChunks:
