@@ -104,7 +104,7 @@ class LoRASyncClient:
     (push, resync, info, ...) may take in all, every server, retry and resync included; a
     server that has not answered by then is that server's failure (`unreachable`).
     `remember`: keep a copy of each name's newest adapter so a restarted server gets it
-    back (`resync`); False keeps only version numbers (see lora_sync/fleet.py).
+    back (`resync`); False keeps only version numbers (see lora_sync/trainer/fleet.py).
     `lease_ahead`: a transport may ready what the next push of a name will use ahead of it
     (shm: the next lease, on a thread; transports/shm/ready_lease.py): the next push only
     copies. False: nothing is held between pushes.
