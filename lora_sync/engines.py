@@ -21,7 +21,8 @@ class Engine:
     launcher: str                # `python -m <launcher> ...` starts it with lora-sync
 
     def route(self, url: str, name: str) -> str:
-        return f"{url.rstrip('/')}{self.route_prefix}/{name}"
+        """The URL of lora-sync's route `name` (with or without its leading '/')."""
+        return f"{url.rstrip('/')}{self.route_prefix}/{name.lstrip('/')}"
 
     def disk_model(self, adapter: str) -> str:
         return self.disk_model_form.format(adapter=adapter)

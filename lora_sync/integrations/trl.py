@@ -61,6 +61,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     AsyncGRPOTrainer as _TRLAsyncGRPOTrainer, validate_lora_for_vllm_sync)
 
 from .. import naming
+from ..api import API_KEY_ENV
 from ..adapter import LoRAAdapter, ModelSpec, check_adapter, check_config
 from ..errors import BadAdapter, LoRASyncError, PushFailed
 from ..server.pins import require_supported
@@ -170,7 +171,7 @@ class AsyncGRPOTrainer(_TRLAsyncGRPOTrainer):
                              f"not {lora_sync_transport!r}")
         # Set before TRL's __init__, which calls _init_lora_sync (below) on rank 0.
         self.lora_sync_servers = lora_sync_servers
-        self.lora_sync_api_key = lora_sync_api_key or os.environ.get("LORA_SYNC_API_KEY")
+        self.lora_sync_api_key = lora_sync_api_key or os.environ.get(API_KEY_ENV)
         self.lora_sync_transport = lora_sync_transport
         self.lora_sync_name = lora_sync_name
         self.lora_sync_engine = lora_sync_engine

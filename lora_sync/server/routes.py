@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from ..errors import BadRequest, ClientDisconnected, LoRASyncError, PayloadTooLarge
+from ..api import ADAPTERS_ROUTE, ALIAS_ROUTE, GET_ROUTES, INFO_ROUTE, RETIRE_ROUTE
 from ..fields import loads
 from ..transports import TRANSPORTS
 from ..transports.base import PROTOCOL_HEADER, PROTOCOL_VERSION, RawBody, Transport, \
@@ -19,12 +20,9 @@ from .service import AdapterService
 from .socket_body import RAW_RECEIVE, BodyChunks
 
 logger = logging.getLogger("lora_sync")
-RETIRE_ROUTE = "/retire_lora_adapter"
-ALIAS_ROUTE = "/lora_sync_alias"  # rollback and pinning (service.point_alias)
 # Every POST route: path -> (transport, its Route); and retiring a name, the service's own.
 TRANSPORT_ROUTES = {path: (t, route) for t in TRANSPORTS.values()
                     for path, route in t.routes().items()}
-GET_ROUTES = ("/lora_sync_info", "/lora_adapters")
 # The routes whose reply is a push's outcome, by transport (metrics and the push log line),
 # and a push's first step (shm's lease): a refused first step is a failed push.
 PUSH_ROUTES = {t.push_path: t.name for t in TRANSPORTS.values()}
@@ -138,14 +136,14 @@ def build_router(prefix: str = "") -> APIRouter:
             return await service.point_alias(await read_json(request, service), caller)
         return await handle(request, act, ALIAS_ROUTE)
 
-    @router.get("/lora_sync_info")
+    @router.get(INFO_ROUTE)
     async def info(request: Request):
-        return await handle(request, lambda s, caller: s.info(caller), "/lora_sync_info")
+        return await handle(request, lambda s, caller: s.info(caller), INFO_ROUTE)
 
-    @router.get("/lora_adapters")
+    @router.get(ADAPTERS_ROUTE)
     async def list_adapters(request: Request):
         async def act(service, caller):
             return service.list_adapters(caller)
-        return await handle(request, act, "/lora_adapters")
+        return await handle(request, act, ADAPTERS_ROUTE)
 
     return router

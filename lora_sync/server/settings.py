@@ -10,10 +10,10 @@ import math
 import os
 from dataclasses import dataclass
 
+from ..api import API_KEY_ENV  # noqa: F401 - the operator's key, named once (lora_sync/api.py)
 from ..staging import BodyLimits
 
 MB = 2 ** 20
-API_KEY_ENV = "LORA_SYNC_API_KEY"  # also read by the trainer's CLI and the TRL integration
 
 
 @dataclass(frozen=True)

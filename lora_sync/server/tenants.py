@@ -32,9 +32,11 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX = re.compile(r"[0-9a-f]{64}")
 RATE_WINDOW_S = 60.0
 # Each quota: the TOML key, the Quotas field, the default, the unit's scale.
-QUOTA_KEYS = {"max_names": ("names", 8, 1), "keep_versions": ("keep_versions", 2, 1),
-              "max_staging_mb": ("staging_bytes", 512, MB), "max_leases": ("leases", 2, 1),
-              "max_groups": ("groups", 1, 1), "pushes_per_minute": ("pushes_per_minute", 120, 1)}
+# The tenants file's quota keys: key -> (Quotas field, the file's unit in the field's). The
+# defaults are Quotas' own.
+QUOTA_KEYS = {"max_names": ("names", 1), "keep_versions": ("keep_versions", 1),
+              "max_staging_mb": ("staging_bytes", MB), "max_leases": ("leases", 1),
+              "max_groups": ("groups", 1), "pushes_per_minute": ("pushes_per_minute", 1)}
 TENANT_KEYS = {"key_sha256", "prefix", "names", "generate", *QUOTA_KEYS}
 
 
@@ -46,6 +48,9 @@ class Quotas:
     leases: int = 2
     groups: int = 1
     pushes_per_minute: int = 120
+
+
+DEFAULT_QUOTAS = Quotas()
 
 
 @dataclass(frozen=True)
@@ -133,8 +138,9 @@ def _tenant(path: str, name: str, spec) -> Tenant:
     if generate not in GENERATE_LEVELS:
         raise _bad(path, f"{where}: generate must be one of {GENERATE_LEVELS}")
     quotas = {}
-    for key, (attr, default, scale) in QUOTA_KEYS.items():
-        value = spec.get(key, default)
+    for key, (attr, scale) in QUOTA_KEYS.items():
+        default = getattr(DEFAULT_QUOTAS, attr)
+        value = spec.get(key, default // scale)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 1e9 \
                 or (scale == 1 and not isinstance(value, int)):
             raise _bad(path, f"{where}: {key} must be a{'n integer' if scale == 1 else ' number'}"

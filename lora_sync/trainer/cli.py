@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import http, naming
+from ..api import ALIAS_ROUTE, API_KEY_ENV, INFO_ROUTE
 from ..transports import TRANSPORTS
 from .client import LoRASyncClient
 from ..engines import ENGINES
@@ -34,7 +35,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 def detect_engine(url: str, headers: dict, timeout: float) -> str:
     """Each engine mounts our routes in its own place: the one where they answer."""
     for engine in ENGINES:
-        status, _, _ = http.request("GET", Server(url, engine).route("lora_sync_info"),
+        status, _, _ = http.request("GET", Server(url, engine).route(INFO_ROUTE),
                                     headers=headers, timeout=timeout)
         if status != 404:
             return engine
@@ -203,7 +204,7 @@ def cmd_rollback(client: LoRASyncClient, args, failed: dict) -> list[str]:
     body = {"lora_name": args.name, "version": version, "pin": args.pin}
 
     def point(server: Server) -> dict:
-        return http.call("POST", server.route("lora_sync_alias"), json_body=body,
+        return http.call("POST", server.route(ALIAS_ROUTE), json_body=body,
                          headers=client.headers, timeout=client.timeout)[0]
     lines = []
     for server, reply in per_server(client, point, failed, lines):
@@ -249,7 +250,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    args.api_key_value = args.api_key or os.environ.get("LORA_SYNC_API_KEY")
+    args.api_key_value = args.api_key or os.environ.get(API_KEY_ENV)
     failed: dict[str, LoRASyncError] = {}  # server url -> why it failed
     lines = []
     try:

@@ -11,10 +11,11 @@ from dataclasses import replace
 from .. import http, naming, replies
 from . import sharded
 from ..adapter import LoRAAdapter
+from ..api import ADAPTERS_ROUTE, ALIAS_ROUTE, INFO_ROUTE, RETIRE_ROUTE
 from ..collective import free_port
 from ..engines import engine
 from ..errors import LoRASyncError, PushFailed, TooBusy
-from .fleet import FleetMemory, Newest
+from .fleet import FleetMemory, Newest, newest_of
 from ..transports import TRANSPORTS
 from ..transports.base import ClientConfig, PushResult, SendContext, Server, Transport, \
     Unavailable, with_protocol
@@ -208,7 +209,7 @@ class LoRASyncClient:
         def kept_of(results) -> Newest | None:
             kept = next((r.kept for r in results if r.ok and r.kept is not None), None)
             if kept is not None:
-                return kept.remember(adapter.config)
+                return newest_of(kept, adapter.config)
             if not copied:  # shm fell back to HTTP: copy now, before the call returns
                 copied.append(self.memory.snapshot(name, adapter))
             return copied[0]
@@ -348,7 +349,7 @@ class LoRASyncClient:
                           servers=[s for s in self.servers if s.url in urls])
 
     def _listing(self, server: Server, timeout: float) -> replies.Listing:
-        body, _ = http.call("GET", server.route("lora_adapters"), headers=self.headers,
+        body, _ = http.call("GET", server.route(ADAPTERS_ROUTE), headers=self.headers,
                             timeout=timeout)
         return replies.Listing.from_json(server.url, body)
 
@@ -393,7 +394,7 @@ class LoRASyncClient:
 
         def one(server: Server) -> dict:
             try:
-                info, _ = http.call("GET", server.route("lora_sync_info"), headers=self.headers,
+                info, _ = http.call("GET", server.route(INFO_ROUTE), headers=self.headers,
                                     timeout=timeout)
                 instance = replies.instance_of(info, server=server.url, what="lora_sync_info")
                 restarted = self.memory.saw(server.url, instance)
@@ -457,7 +458,7 @@ class LoRASyncClient:
         return [i.raw for i in self._each(self._info, self._deadline())]
 
     def _info(self, server: Server) -> replies.Info:
-        body, _ = http.call("GET", server.route("lora_sync_info"), headers=self.headers,
+        body, _ = http.call("GET", server.route(INFO_ROUTE), headers=self.headers,
                             timeout=self.timeout)
         return replies.Info.from_json(server.url, body)
 
@@ -465,7 +466,7 @@ class LoRASyncClient:
         """Takes every version of `name` out of service on every server (running requests
         finish on theirs); the name no longer counts against the server's name limit."""
         self.memory.forget(name)  # its numbering may start again at 1
-        return self._each(lambda s: http.call("POST", s.route("retire_lora_adapter"),
+        return self._each(lambda s: http.call("POST", s.route(RETIRE_ROUTE),
                                               json_body={"lora_name": name},
                                               headers=self.headers, timeout=self.timeout)[0],
                           self._deadline())
@@ -478,7 +479,7 @@ class LoRASyncClient:
         makes the alias follow the newest version again. Per server: {'lora_name',
         'version', 'alias_target', 'pinned'}."""
         body = {"lora_name": name, "version": version, "pin": pin}
-        return self._each(lambda s: http.call("POST", s.route("lora_sync_alias"),
+        return self._each(lambda s: http.call("POST", s.route(ALIAS_ROUTE),
                                               json_body=body, headers=self.headers,
                                               timeout=self.timeout)[0],
                           self._deadline())

@@ -21,6 +21,7 @@ import torch
 
 from .. import host_copy, wire
 from ..adapter import LoRAAdapter
+from ..transports.base import KeptCopy, SealedCopy
 
 
 @dataclass
@@ -45,6 +46,13 @@ class Newest:
                                                     dict(self.config)))
         return Newest(self.version, LoRAAdapter(
             {k: t.clone() for k, t in self.adapter.tensors.items()}, dict(self.adapter.config)))
+
+
+def newest_of(kept: KeptCopy, config: dict) -> Newest:
+    """The client's record of what a push kept (PushResult.kept), its version set later."""
+    if isinstance(kept, SealedCopy):
+        return Newest(0, None, sealed=kept.view, config=dict(config))
+    return Newest(0, LoRAAdapter(kept.tensors, dict(config)), kept.flat)
 
 
 @dataclass

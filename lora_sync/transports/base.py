@@ -99,13 +99,10 @@ class Unavailable(TooBusy):
     server's code says which): `auto` sends it with its next choice."""
 
 
-class KeptCopy(ABC):
+class KeptCopy:
     """What a push left the client of the tensors as pushed (`PushResult.kept`), so the
-    client remembers them for a resync without a copy of its own."""
-
-    @abstractmethod
-    def remember(self, config: dict):
-        """The client's record of it (trainer.fleet.Newest, its version set later)."""
+    client remembers them for a resync without a copy of its own (trainer.fleet.newest_of):
+    a PackedCopy or a SealedCopy."""
 
 
 @dataclass
@@ -163,21 +160,12 @@ class PackedCopy(KeptCopy):
     tensors: dict                 # name -> a view into `flat`
     flat: Any                     # the one buffer (a torch.uint8 tensor) they view
 
-    def remember(self, config: dict):
-        from ..adapter import LoRAAdapter
-        from ..trainer.fleet import Newest
-        return Newest(0, LoRAAdapter(self.tensors, dict(config)), self.flat)
-
 
 @dataclass(frozen=True)
 class SealedCopy(KeptCopy):
     """The file as the server holds it, mapped read-only (a sealed shm lease): nobody can
     change it, so the client views its tensors only when a resync needs them."""
     view: Any
-
-    def remember(self, config: dict):
-        from ..trainer.fleet import Newest
-        return Newest(0, None, sealed=self.view, config=dict(config))
 
 
 # -- server side (API process) ----------------------------------------------------------
