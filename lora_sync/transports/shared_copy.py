@@ -44,7 +44,7 @@ from .base import ClientConfig, PushResult, Received, Route, SealedCopy, SendCon
     ServerContext, Staged, Transport, staged_file
 from .device_copy import on_device
 from .shm.lease_table import SealedBody
-from .shm.memfd import read_header
+from .shm.memfd import open_pinned, read_header
 from .shm.trainer import _pwrite_all, total_bytes, write_mapped
 from .shm.worker import map_read_only, receive_sealed
 
@@ -177,28 +177,17 @@ def open_shared(req: SharedRequest) -> int:
         return BadRequest(f"{req.path} {why}: the shared copy is not reachable from this "
                           "server (another host, PID namespace or user?); push with shm or "
                           "tensors", code="shared_unreachable")
-    # Open first, then look at what was opened: an O_PATH descriptor pins the file the path
-    # names now without opening it (a FIFO or a device swapped in by dup2 is never opened);
-    # only once that file is checked is it opened for reading, through this descriptor.
+    def claimed(pinned: int, st) -> bool:
+        return stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and \
+            os.readlink(f"/proc/self/fd/{pinned}") == f"/memfd:{memfd_name(req.claim)} (deleted)"
     try:
-        pinned = os.open(req.path, os.O_PATH | os.O_CLOEXEC)
+        fd = open_pinned(req.path, os.O_RDONLY, claimed)  # what is opened is what was checked
     except OSError as e:
         raise unreachable(f"cannot be opened ({os.strerror(e.errno)})") from None
+    if fd is None:
+        raise unreachable("is not the shared copy this request claims")
     try:
-        st = os.fstat(pinned)
-        target = os.readlink(f"/proc/self/fd/{pinned}")
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 0 \
-                or target != f"/memfd:{memfd_name(req.claim)} (deleted)":
-            raise unreachable("is not the shared copy this request claims")
-        fd = os.open(f"/proc/self/fd/{pinned}",
-                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-    except OSError as e:
-        raise unreachable(f"cannot be opened ({os.strerror(e.errno)})") from None
-    finally:
-        os.close(pinned)
-    try:
-        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != (st.st_dev, st.st_ino):
-            raise unreachable("changed while it was opened")
+        st = os.fstat(fd)
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:

@@ -19,6 +19,26 @@ SEAL_WAIT_S = 1.0
 SEAL_WAIT_BYTES_PER_S = 256 << 20  # each 256 MiB of lease: one second more
 
 
+def open_pinned(path: str, flags: int, accept) -> int | None:
+    """`path`, a /proc/<pid>/fd/<n> link another process controls, opened with `flags` only
+    if `accept(pinned_fd, its stat)` takes the file it names: the file is pinned first with
+    O_PATH (which opens nothing: a FIFO or a device swapped in by dup2 is never opened),
+    checked on that descriptor, then opened through it, so what is opened is what was
+    checked. None when it cannot be pinned or is not accepted; the final open's OSError
+    propagates. No O_NOFOLLOW: the link is the kernel's, resolved to a descriptor's file."""
+    try:
+        pinned = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not accept(pinned, os.fstat(pinned)):
+            return None
+        return os.open(f"/proc/self/fd/{pinned}",
+                       flags | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    finally:
+        os.close(pinned)
+
+
 def seal_wait_s(nbytes: int) -> float:
     """How long a commit of an `nbytes` lease waits for the trainer's copy and unmap."""
     return SEAL_WAIT_S + nbytes / SEAL_WAIT_BYTES_PER_S

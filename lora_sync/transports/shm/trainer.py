@@ -15,6 +15,7 @@ from ... import http, pages
 from ...host_copy import memmove_each as _memmove
 from ..base import SendContext, Server, Unavailable
 from ..device_copy import HostPin, copy_to_host, on_device
+from .memfd import open_pinned
 from .messages import Lease, MEMFD_NAME, PROBE_BYTES, _LEASE_PATH
 
 _IOV_MAX = 512  # buffers per pwritev (the kernel allows 1024)
@@ -27,17 +28,14 @@ def open_lease(lease: Lease) -> int | None:
     if not _LEASE_PATH.fullmatch(lease.path):
         return None
     try:
-        # Before opening: only a regular file without links (a memfd); opening a device or
-        # a FIFO the server's process holds may have effects. Checked again on the
-        # descriptor. No O_NOFOLLOW: /proc/<pid>/fd/<n> is a link by design, resolved by the
-        # kernel to that descriptor's file, never by name.
-        st = os.stat(lease.path)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 0:
-            return None
-        fd = os.open(lease.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        # Only an anonymous memfd of a lease table is opened (open_pinned: a device or a
+        # FIFO the server's process swaps in never is).
+        fd = open_pinned(lease.path, os.O_RDWR, lambda pinned, _: _is_lease_memfd(pinned))
     except OSError:
         return None
-    if _is_lease_memfd(fd) and os.fstat(fd).st_size == lease.nbytes \
+    if fd is None:
+        return None
+    if os.fstat(fd).st_size == lease.nbytes \
             and os.pread(fd, PROBE_BYTES, 0) == bytes.fromhex(lease.probe):
         return fd
     os.close(fd)  # a file of that name, but not our lease
