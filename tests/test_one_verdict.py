@@ -6,8 +6,8 @@ on a server that runs lora-sync.
 
 In process, on the FAKE engine (tests/engine_fakes.py: lora-sync's real routes, admission,
 service, transports and workers; its "model" serves a digest of the weights it holds):
-generated adapters (modules of every kind, vocabulary layers included, ranks, dtypes, PEFT's
-vocabulary base copies, and flaws) pushed every way; every way gives the same verdict, and
+generated adapters (modules of every kind, vocabulary layers included, ranks, per-module
+ranks and alphas, dtypes, PEFT's vocabulary base copies, and flaws) pushed every way; every way gives the same verdict, and
 every accepted one serves the same weights. Real servers: tests/test_coverage.py (PEFT's
 tokens per case) and test_native_routes_give_the_push_verdict_on_real_servers below."""
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .helpers import PROMPT, post_body
 SPEC = tiny_model_spec()
 MODULES = sorted(SPEC.linear) + sorted(SPEC.vocab)
 FLAWS = (None, None, "base copy", "half missing", "bad shape", "non-finite", "rank too large",
-         "unknown module")
+         "unknown module", "pattern says another rank")
 _names = itertools.count()
 
 
@@ -41,13 +41,17 @@ def adapters(draw):
     r = 80 if flaw == "rank too large" else draw(st.sampled_from([1, 4, 8]))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    # per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern, full-name keys)
+    patterned = draw(st.sampled_from([None, *modules])) if flaw != "rank too large" else None
+    pattern_rank = draw(st.sampled_from([2, 16]))
     tensors = {}
     for m in modules:
         fan_in, fan_out = SPEC.layer(m)
+        r_m = pattern_rank if m == patterned and flaw != "pattern says another rank" else r
         a, b = (("lora_embedding_A", "lora_embedding_B") if m in SPEC.embeddings else
                 ("lora_A.weight", "lora_B.weight"))
-        tensors[f"base_model.model.{m}.{a}"] = (torch.randn(r, fan_in, generator=gen) * .1).to(dtype)
-        tensors[f"base_model.model.{m}.{b}"] = (torch.randn(fan_out, r, generator=gen) * .1).to(dtype)
+        tensors[f"base_model.model.{m}.{a}"] = (torch.randn(r_m, fan_in, generator=gen) * .1).to(dtype)
+        tensors[f"base_model.model.{m}.{b}"] = (torch.randn(fan_out, r_m, generator=gen) * .1).to(dtype)
     keys = list(tensors)
     if flaw == "base copy":  # what PEFT writes beside a vocabulary layer's LoRA by default
         vocab = sorted(SPEC.vocab)[draw(st.integers(0, len(SPEC.vocab) - 1))]
@@ -66,8 +70,11 @@ def adapters(draw):
         tensors["base_model.model.model.layers.0.mlp.nope.lora_A.weight"] = torch.zeros(r, 8)
         tensors["base_model.model.model.layers.0.mlp.nope.lora_B.weight"] = torch.zeros(8, r)
     bases = sorted({m.rsplit(".", 1)[-1] for m in modules})
-    return tensors, {"r": r, "lora_alpha": 2 * r, "target_modules": bases,
-                     "peft_type": "LORA"}
+    config = {"r": r, "lora_alpha": 2 * r, "target_modules": bases, "peft_type": "LORA"}
+    if patterned is not None or flaw == "pattern says another rank":
+        key = patterned or modules[0]
+        config.update(rank_pattern={key: pattern_rank}, alpha_pattern={key: 3 * pattern_rank})
+    return tensors, config
 
 
 def _verdict(fn) -> str:
