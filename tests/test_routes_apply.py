@@ -85,13 +85,21 @@ def test_the_rule_itself():
 
 
 # -- real servers: the live route table -----------------------------------------------------
+GREEDY = 1e-7
 # Fields a route may read a prompt and greedy settings from; a route reads what it knows
 # (an unknown field is ignored, or the route answers 4xx: then it served nothing).
-def _body(model: str) -> dict:
-    return {"model": model, "prompt": PROMPT, "text": PROMPT, "input": PROMPT,
+def _body(model: str, nested: bool = False) -> dict:
+    """Naming `model` where most routes read it, or (`nested`) only in parameters.lora_path
+    (SGLang's /generate ignores `parameters`, /vertex_generate reads it)."""
+    # greedy on both engines (below their sampling epsilon), and > 0 where a route needs it
+    sampling = {"max_new_tokens": 4, "temperature": GREEDY}
+    where = {"parameters": {"lora_path": model, "sampling_params": sampling}} if nested else \
+        {"model": model}
+    return {**where, "prompt": PROMPT, "text": PROMPT, "input": PROMPT, "query": PROMPT,
+            "items": [PROMPT], "label_token_ids": [5, 9], "instances": [{"text": PROMPT}],
             "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16,
-            "max_new_tokens": 4, "temperature": 0.0, "stream": False,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+            "max_new_tokens": 4, "temperature": GREEDY, "stream": False,
+            "sampling_params": sampling}
 
 
 _VOLATILE = {"id", "created", "created_at", "model", "object", "system_fingerprint",
@@ -124,23 +132,23 @@ def test_every_route_serves_the_named_adapter_or_refuses(server, make_adapter):
     served, refused = [], []
     with LoRASyncClient(server.url, engine=server.engine, api_key=server.api_key) as c:
         [res] = c.push(make_adapter(seed=522), "walk", transport="tensors")
-        for route in routes:
-            url = f"{server.url}{route}"
-            got = http.request("POST", url, json_body=_body("walk"), timeout=60)
-            status, reply, headers = got
+        for route, nested in [(r, n) for r in routes for n in (False, True)]:
+            url, label = f"{server.url}{route}", route + (" parameters" if nested else "")
+            status, reply, headers = http.request("POST", url, json_body=_body("walk", nested),
+                                                  timeout=60)
+            base = http.request("POST", url, json_body=_body("base", nested), timeout=60)
             if status >= 500:
-                base_status = http.request("POST", url, json_body=_body("base"), timeout=60)[0]
-                assert base_status >= 500, (route, status, reply)  # not the adapter's doing
+                assert base[0] >= 500, (label, status, reply)  # not the adapter's doing
                 continue
             if not 200 <= status < 300:
-                refused.append((route, status, (reply.get("error") or {}).get("code")
-                                if isinstance(reply, dict) else None))
+                error = reply.get("error") if isinstance(reply, dict) else None
+                refused.append((label, status, error.get("code")
+                                if isinstance(error, dict) else None))
                 continue
-            assert headers.get("x-lora-name") == res.name, (route, headers)
-            base = http.request("POST", url, json_body=_body("base"), timeout=60)
+            assert headers.get("x-lora-name") == res.name, (label, headers)
             assert _content(reply) != _content(base[1]), \
-                f"{route} served the base model's reply under {res.name}: {json.dumps(reply)[:300]}"
-            served.append(route)
+                f"{label} served the base model's reply under {res.name}: {json.dumps(reply)[:300]}"
+            served.append(label)
         c.retire("walk")
     assert {"/v1/completions", "/v1/chat/completions"} <= set(served), (served, refused)
     assert server.alive(), server.log_tail()
