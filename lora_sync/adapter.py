@@ -441,11 +441,9 @@ def check_whole_experts(modules, model: "ModelSpec") -> None:
     if not model.coverage.whole_experts:
         return
     adapted: dict[str, set[tuple[int, str]]] = {}
-    for module in modules:
-        parent, _, projection = module.rpartition(".")
-        prefix, _, index = parent.rpartition(".")
-        if projection in moe.PROJECTIONS and prefix in model.experts:
-            adapted.setdefault(prefix, set()).add((int(index), projection))
+    for parts in filter(None, (moe.expert_of(model.experts, m) for m in modules)):
+        prefix, index, projection = parts  # the index was checked (expert_layer)
+        adapted.setdefault(prefix, set()).add((int(index), projection))
     for prefix, have in sorted(adapted.items()):
         missing = [f"{prefix}.{e}.{p}" for e in range(model.experts[prefix][0])
                    for p in moe.PROJECTIONS if (e, p) not in have]

@@ -20,7 +20,7 @@ PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt")
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def read_header(path, data_limit: int | None = None):
+def read(path, data_limit: int | None = None):
     """(the tensors' specs, the config, the tensors) of the PEFT directory `path`; the
     tensors only with a `data_limit` (bytes; a larger file is refused), else None. BadAdapter
     naming what is wrong (`bad_adapter_dir`) when it is not a local directory lora-sync can

@@ -42,10 +42,10 @@ ENGINES: dict[str, Engine] = {
         "sglang_ext.launch_server"),
 }
 
-# The trainer side: lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer.
 # The uvicorn release whose private request internals lora-sync's socket body reader was
 # checked against (lora_sync/server/socket_body.py); setup.py's server extras pin it.
 UVICORN_PIN = "0.54.0"
+# The trainer side: lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer.
 TRL_SUPPORTED = {"1.16.0": "tested on CPU with AsyncGRPOTrainer against a real vLLM server"}
 
 

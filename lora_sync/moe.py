@@ -49,13 +49,23 @@ def block_of(experts: dict[str, tuple[int, int, int]], module: str) -> str | Non
     return None
 
 
-def expert_layer(experts: dict[str, tuple[int, int, int]], module: str):
-    """(fan in, fan out) of '<experts>.<e>.<projection>', None when it is not one; an expert
-    index out of range is refused by name."""
+def expert_of(experts: dict[str, tuple[int, int, int]], module: str):
+    """(experts module, expert index as written, projection) of
+    '<experts>.<e>.<projection>', None when `module` is not one."""
     parent, _, projection = module.rpartition(".")
     prefix, _, index = parent.rpartition(".")
     if projection not in PROJECTIONS or prefix not in experts:
         return None
+    return prefix, index, projection
+
+
+def expert_layer(experts: dict[str, tuple[int, int, int]], module: str):
+    """(fan in, fan out) of '<experts>.<e>.<projection>', None when it is not one; an expert
+    index out of range is refused by name."""
+    parts = expert_of(experts, module)
+    if parts is None:
+        return None
+    prefix, index, projection = parts
     count, hidden, inter = experts[prefix]
     if not (index.isdigit() and str(int(index)) == index and int(index) < count):
         raise BadAdapter(f"module {module!r}: expert index {index[:20]!r} is not one of the "

@@ -171,7 +171,7 @@ ROWS = (
         "or on an expert without all of gate_proj, up_proj and down_proj", {
             "vllm": refused("unsupported_module", "zero lora_B",
                             "vllm/lora/lora_weights.py LoRALayerWeights.pack_moe asserts that "
-                            "every expert of the block has all three (a 500 before): send the "
+                            "every expert of the block has all three: send the "
                             "ones left out with a zero lora_B, which changes nothing",
                             [MOE_LEFT_OUT, MOE_SERVED]),
             "sglang": served("served with the experts it has, token-identical to SGLang's own "
@@ -238,7 +238,7 @@ def render() -> str:
         "(tests/test_one_verdict.py, generated adapters).",
         "",
         "One output per name: no adapter changes another name's output, base included, alone "
-        "or in the same batch. vLLM's CPU LoRA ops gave a row without an adapter (index -1) "
+        "or in the same batch. vLLM's CPU LoRA ops give a row without an adapter (index -1) "
         "the last slot's weights; lora-sync masks those rows in every worker "
         "(`vllm_ext.engine_api.mask_unadapted_rows`; tests/test_no_cross_talk.py runs random "
         "pushes, retirements and mixed batches of linear, embedding and LM-head adapters on "

@@ -143,17 +143,17 @@ class AdmissionMiddleware:
         # Every engine request this route makes must carry exactly these (applied.py).
         expected = applied.Expected(_route_path(scope), frozenset(
             [a.served_name for a in admitted] + engine_named))
-        started = []  # "ours" once our refusal went in the engine's place, else "engine"
+        started = None  # whose reply started: "ours" (the refusal, in the engine's place)
 
         async def send_with_version(message):
-            if started == ["ours"]:
+            nonlocal started
+            if started == "ours":
                 return  # the engine's reply to a refused request: ours went instead
             if message["type"] == "http.response.start":
-                if expected.refusal(message) is not None:
-                    started.append("ours")
-                    return await _json_reply(send, expected.refused.status,
-                                             expected.refused.to_json())
-                started.append("engine")
+                refusal = expected.refusal(message)
+                started = "engine" if refusal is None else "ours"
+                if refusal is not None:
+                    return await _json_reply(send, refusal.status, refusal.to_json())
                 if versions:
                     message = {**message, "headers": list(message.get("headers", [])) + [
                         (b"x-lora-version", ",".join(str(a.version) for a in versions).encode()),
@@ -163,7 +163,7 @@ class AdmissionMiddleware:
         try:
             await self.app(scope, _replay(body, receive), send_with_version)
         except LoRASyncError as e:
-            if e is not expected.refused or started:
+            if e is not expected.refused or started is not None:
                 raise
             await _json_reply(send, e.status, e.to_json())
         finally:

@@ -190,10 +190,10 @@ class AdapterService:
         weights are read too, as a push's are in the workers."""
         await self.refuse_if_unsupported()
         limit = self.settings.max_body_bytes if self.settings.check_finite else None
-        specs, config, tensors = await asyncio.to_thread(adapter_dir.read_header, path, limit)
+        specs, config, tensors = await asyncio.to_thread(adapter_dir.read, path, limit)
         check_adapter(specs, config, await self.model_spec())
-        if tensors is not None:
-            check_finite(lora_weights(tensors), True)
+        if tensors is not None:  # a pass over every byte: off the event loop, as the read
+            await asyncio.to_thread(check_finite, lora_weights(tensors), True)
 
     # -- access ------------------------------------------------------------------------
     def authorize(self, authorization: str | None) -> Caller:

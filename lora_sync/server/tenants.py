@@ -31,7 +31,6 @@ _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}[._-]")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX = re.compile(r"[0-9a-f]{64}")
 RATE_WINDOW_S = 60.0
-# Each quota: the TOML key, the Quotas field, the default, the unit's scale.
 # The tenants file's quota keys: key -> (Quotas field, the file's unit in the field's). The
 # defaults are Quotas' own.
 QUOTA_KEYS = {"max_names": ("names", 1), "keep_versions": ("keep_versions", 1),
