@@ -173,6 +173,47 @@ def test_native_loads_need_a_directory_lora_sync_can_check(fake_server, fake_cli
         assert fake_server.bridge.disk == loaded
 
 
+def test_native_load_paths_a_local_user_controls_are_refused(fake_server, fake_client,
+                                                             make_adapter, tmp_path):
+    """What another local user could plant in an adapter directory is never followed or read
+    past its bound: a config or weights file that is a symlink (to a file that exists), an
+    oversized config, and a path that is not a string; nothing is loaded."""
+    import os
+    good = tmp_path / "good"
+    make_adapter(53).save(good)
+    cases = []
+    for planted in ("adapter_config.json", "adapter_model.safetensors"):
+        d = tmp_path / f"link-{planted}"
+        d.mkdir()
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            if f == planted:
+                os.symlink(good / f, d / f)
+            else:
+                (d / f).write_bytes((good / f).read_bytes())
+        cases.append((str(d), "links are not followed"))
+    big = tmp_path / "big-config"
+    big.mkdir()
+    (big / "adapter_config.json").write_text(" " * (2 << 20) + "{}")
+    (big / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors")
+                                                    .read_bytes())
+    cases.append((str(big), "larger than"))
+    loaded = dict(fake_server.bridge.disk)
+    for path, named in cases:
+        with pytest.raises(LoRASyncError) as e:
+            fake_client.load_from_disk(path, "native-planted")
+        assert (e.value.status, e.value.code) == (400, "bad_adapter_dir"), e.value
+        assert named in e.value.message, e.value.message
+    from lora_sync import http
+    status, reply, _ = http.request(
+        "POST", f"{fake_server.url}/v1/load_lora_adapter",
+        headers={"Authorization": f"Bearer {fake_server.api_key}"},
+        json_body={"lora_name": "native-planted", "lora_path": ["a", "list"]})
+    assert status == 400 and reply["error"]["code"] == "bad_adapter_dir", reply
+    assert fake_server.bridge.disk == loaded
+    fake_client.load_from_disk(str(good), "native-good-one")  # the real one loads
+    fake_client.unload_from_disk("native-good-one")
+
+
 # -- real servers ---------------------------------------------------------------------------
 def test_native_routes_give_the_push_verdict_on_real_servers(server, make_adapter, tmp_path):
     """Each engine's own load route, on a server running lora-sync: an adapter on v_proj
