@@ -111,12 +111,8 @@ def moe_sglang(moe_dir):
 @pytest.fixture(scope="session")
 def sglang(model_dir):
     """The shared SGLang CPU server, with the same lora-sync settings as `vllm`."""
-    with PRESTARTED.pop("sglang", None) or _shared_sglang(model_dir) as server:
+    with real_server("sglang", model_dir, SERVER_ENV) as server:
         yield server
-
-
-def _shared_sglang(model_dir):
-    return real_server("sglang", model_dir, SERVER_ENV)
 
 
 @pytest.fixture(params=["vllm", "sglang"])
@@ -129,46 +125,10 @@ def server(request):
 def vllm(model_dir):
     """The shared vLLM server: max 2 LoRA slots, 4 cached adapters, 4 MB body limit,
     3 versions kept per name, admin routes behind an API key."""
-    with PRESTARTED.pop("vllm", None) or _shared_vllm(model_dir) as server:
-        yield server
-
-
-def _shared_vllm(model_dir):
     server = _vllm(model_dir, max_loras=2, max_cpu_loras=4, env=SERVER_ENV)
     server.api_key = API_KEY
-    return server
-
-
-# The shared servers, launched ahead (prestart_shared_servers) and not yet taken by their
-# fixture: name -> ServerProcess.
-PRESTARTED: dict = {}
-SHARED_SERVERS = {"vllm": _shared_vllm, "sglang": _shared_sglang}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def prestart_shared_servers(request):
-    """CI time: the in-process tests run first (pytest_collection_modifyitems), and the
-    shared vLLM and SGLang servers the run will use boot meanwhile, on the core those tests
-    leave free; their fixtures then only wait for them to serve. Stops what was launched and
-    never taken."""
-    wanted = set()
-    for item in request.session.items:
-        if item.get_closest_marker("skip") is not None:
-            continue
-        names = set(getattr(item, "fixturenames", ()))
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        wanted |= names & set(SHARED_SERVERS)
-        if names & {"server", "client"}:
-            wanted |= {params.get("server", "")} & set(SHARED_SERVERS) or set(SHARED_SERVERS)
-    if wanted:
-        model_dir = request.getfixturevalue("model_dir")
-        for name in sorted(wanted):
-            if name == "sglang" and not SGLANG_PYTHON.exists():
-                continue  # its fixture skips (or fails in CI) as it says
-            PRESTARTED[name] = SHARED_SERVERS[name](model_dir).launch()
-    yield
-    while PRESTARTED:
-        PRESTARTED.popitem()[1].stop()
+    with server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -285,6 +245,3 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("extended") and not extended:
             item.add_marker(pytest.mark.skip(
                 reason="extended real-server test: LORA_SYNC_EXTENDED_TESTS=1 runs it"))
-    # The in-process tests first (a stable sort: each group keeps its order), so the shared
-    # servers boot while they run (prestart_shared_servers).
-    items.sort(key=lambda item: item.get_closest_marker("server") is not None)
