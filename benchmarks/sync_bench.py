@@ -133,7 +133,7 @@ def first_completion_s(client, served: str, transport: str) -> float:
 def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str):
     if engine == "vllm":
         # vLLM's own unload route leaves a disk adapter in the worker's cache (vllm#54839);
-        # lora-sync evicts it after the unload (AdapterService.evict_when_idle), off every
+        # lora-sync evicts it after the unload (Registry.evict_when_idle), off every
         # push's path. The small cache bounds what a run leaves cached all the same: while
         # disk adapters pile up the disk route slows down (docs/benchmarks.md, "Method").
         return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8).start()

@@ -65,9 +65,9 @@ def _on_tokenizer_manager(tm) -> None:
     app.state.lora_sync = service
     # A request admitted on an adapter reaches the scheduler carrying it, or is refused.
     engine_api.report_engine_requests(tm, applied.engine_request)
-    if service.tenancy.enabled:
+    if service.access.tenancy.enabled:
         engine_api.let_tenant_keys_through(
-            own_paths(PREFIX), lambda header: service.tenancy.resolve(header).kind != "anonymous")
+            own_paths(PREFIX), lambda header: service.access.tenancy.resolve(header).kind != "anonymous")
     # Served by SGLang's /metrics when it runs with --enable-metrics (prometheus_client's
     # multiprocess mode: SGLang set PROMETHEUS_MULTIPROC_DIR before this hook runs).
     metrics.install(service)

@@ -518,7 +518,7 @@ class FakeEngineServer:
             close = getattr(ctx.state, "close", None)
             if callable(close):
                 close()
-        for rec in list(self.service.records.values()):
+        for rec in list(self.service.registry.records.values()):
             if rec.hold is not None:
                 rec.hold.close()
                 rec.hold = None

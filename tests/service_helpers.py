@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from lora_sync import NotFound, http
-from lora_sync.server import service as service_module
+from lora_sync.server import registry as registry_module
 
 from .conftest import SERVER_ENV
 from .helpers import PROMPT, wait_until
@@ -89,8 +89,8 @@ def retire_first(c, make_adapter, name: str, seed: int) -> int:
 
 def free_timing(monkeypatch, quiet_s: float, max_s: float) -> None:
     """The service's FREE_QUIET_S and FREE_DEFER_MAX_S for one test."""
-    monkeypatch.setattr(service_module, "FREE_QUIET_S", quiet_s)
-    monkeypatch.setattr(service_module, "FREE_DEFER_MAX_S", max_s)
+    monkeypatch.setattr(registry_module, "FREE_QUIET_S", quiet_s)
+    monkeypatch.setattr(registry_module, "FREE_DEFER_MAX_S", max_s)
 
 
 @pytest.fixture(autouse=True)

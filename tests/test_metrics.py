@@ -199,18 +199,22 @@ def test_snapshot_drops_freed_versions_in_multiprocess_mode(tmp_path):
         from prometheus_client import CollectorRegistry, generate_latest, multiprocess
         from lora_sync import naming
         from lora_sync.server import metrics
-        from lora_sync.server.service import AdapterRecord
+        from lora_sync.server.registry import AdapterRecord
 
-        class Service:
+        class Registry:
             def __init__(self):
                 self.book, self.records = naming.VersionBook(), {}
-        s = Service()
+
+        class Service:
+            registry = Registry()
+        service = Service()
+        s = service.registry
         for v in (1, 2, 3):
             s.book.reserve("p", v)
             s.book.commit("p", v, 2)
             s.records[f"p-v{v}"] = AdapterRecord("p", v, f"p-v{v}", v, 8, 8, "tensors", 1.0)
         s.records["p-v1"].retired, s.records["p-v2"].inflight = True, 2
-        assert metrics.install(s) and metrics._metrics.multiprocess
+        assert metrics.install(service) and metrics._metrics.multiprocess
         metrics.observe("/load_lora_adapter_from_tensors", 200, {
             "transport": "tensors", "bytes": 8, "load_ms": 3.0, "lora_name": "p",
             "version": 3, "name": "p-v3", "timings_ms": {"worker": 1.0}}, 0.003, "tensors")

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lora_sync import http
-from lora_sync.server import service as service_module
+from lora_sync.server import registry as registry_module
 from lora_sync.server.routes import ALIAS_ROUTE, RETIRE_ROUTE, TRANSPORT_ROUTES
 from lora_sync.transports import shm
 
@@ -42,7 +42,8 @@ def state_sizes(service) -> dict[str, int]:
     """The size of every container the service (and its version book and lease table)
     holds: what a request could leave behind."""
     sizes = {}
-    owners = {"service": service, "book": service.book}
+    owners = {"service": service, "registry": service.registry, "access": service.access,
+              "tenancy": service.access.tenancy, "book": service.registry.book}
     owners.update({f"ctx.{n}": c.state for n, c in service.contexts.items()
                    if hasattr(c.state, "__dict__")})
     for owner_name, owner in owners.items():
@@ -85,8 +86,8 @@ def test_every_json_body_naming_a_key_twice_is_a_400(fake, route, key, values, n
 
 
 # State a request may leave on purpose, each bounded by the named limit.
-BOUNDED = {"service.retired_names": service_module.RETIRED_NAMES_KEPT,
-           "book.floors": service_module.RETIRED_NAMES_KEPT}
+BOUNDED = {"registry.retired_names": registry_module.RETIRED_NAMES_KEPT,
+           "book.floors": registry_module.RETIRED_NAMES_KEPT}
 
 
 def random_requests(fake, rng: random.Random, n: int) -> None:

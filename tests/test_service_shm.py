@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_sync import LoRASyncClient, LoRASyncError, http, wire
-from lora_sync.server import service as service_module
+from lora_sync.server import registry as registry_module
 from lora_sync.transports import shm
 
 from .engine_fakes import served_text
@@ -293,11 +293,11 @@ def test_a_lease_readied_ahead_takes_the_memory_retired_versions_give_back(
     assert v1_id in fake_server.bridge.freed
     assert waiting.join(10)["status"] == 200
     cancel(c, waiting)
-    monkeypatch.setattr(service_module, "FREES_WAIT_S", 0.5)
-    monkeypatch.setattr(service_module, "FREES_WAITERS", 1)
+    monkeypatch.setattr(registry_module, "FREES_WAIT_S", 0.5)
+    monkeypatch.setattr(registry_module, "FREES_WAITERS", 1)
     v2_id = retire_first(c, make_adapter, "recycle-b", seed=890)
     first = ahead_grant(c)
-    wait_until(lambda: fake_server.service._waiting_for_frees == 1, what="one waiting")
+    wait_until(lambda: fake_server.service.registry._waiting_for_frees == 1, what="one waiting")
     second = ahead_grant(c)
     assert second.join(10)["status"] == 200 and not first.result  # granted at once
     assert first.join(10)["status"] == 200  # at the time bound
@@ -316,14 +316,14 @@ def test_a_push_before_its_ready_lease_is_granted_leases_the_usual_way(
     freed; the next push does not wait for it: it leases the usual way (freeing the
     retired version at once), and the late grant is cancelled, leaving no lease behind."""
     free_timing(monkeypatch, quiet_s=60.0, max_s=120.0)
-    monkeypatch.setattr(service_module, "FREES_WAIT_S", 3.0)  # within the client's timeout
+    monkeypatch.setattr(registry_module, "FREES_WAIT_S", 3.0)  # within the client's timeout
     server = make_fake_server()
     with LoRASyncClient(server.url, api_key=server.api_key) as c:
         c.push(make_adapter(seed=900), "early", transport="shm")
         [v1_id] = adapter_ids(c, "early")
         for i in range(KEEP):  # the last push retires v1: the next lease waits for it
             c.push(make_adapter(seed=901 + i), "early", transport="shm")
-        wait_until(lambda: server.service._waiting_for_frees == 1, what="the lease waits")
+        wait_until(lambda: server.service.registry._waiting_for_frees == 1, what="the lease waits")
         [res] = c.push(make_adapter(seed=950), "early", transport="shm")
         assert "copy" not in res.reply["timings_ms"]  # not into a ready lease
         assert v1_id in server.bridge.freed

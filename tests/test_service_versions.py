@@ -182,9 +182,9 @@ def test_a_push_frees_retired_versions_waiting_for_a_pause_first(
     assert v2_id not in fake_server.bridge.freed  # retired by that push: it waits
     # Its wait starts on the server's loop after the push's reply (a CI run read the set
     # before it had): bounded, then it stays waiting.
-    wait_until(lambda: len(fake_server.service._deferred) == 1, 10, "v2 waiting for a pause")
+    wait_until(lambda: len(fake_server.service.registry._deferred) == 1, 10, "v2 waiting for a pause")
     time.sleep(0.2)
-    assert v2_id not in fake_server.bridge.freed and len(fake_server.service._deferred) == 1
+    assert v2_id not in fake_server.bridge.freed and len(fake_server.service.registry._deferred) == 1
 
 
 def test_a_retired_version_is_freed_in_bounded_time_under_endless_requests(
@@ -249,7 +249,7 @@ def test_the_engines_own_unload_evicts_its_copy_once_idle(fake_server, fake_clie
         time.sleep(0.2)  # several drain polls
         assert disk_id not in fake_server.bridge.evicted
     wait_until(lambda: disk_id in fake_server.bridge.evicted, what="disk copy evicted")
-    wait_until(lambda: not fake_server.service._evicting, what="the eviction task let go")
+    wait_until(lambda: not fake_server.service.registry._evicting, what="the eviction task let go")
     evicted = list(fake_server.bridge.evicted)
     status, _, _ = http.request("POST", f"{fake_server.url}/v1/unload_lora_adapter",
                                 json_body={"lora_name": "disk-520"}, headers=AUTH)

@@ -677,7 +677,7 @@ def test_without_a_tenants_file_nothing_changes(fake_server, fake_client, adapte
     assert c.rollback("plain", 1)[0]["alias_target"] == "plain-v1"
     assert c.complete(PROMPT, "plain")["version"] == 1
     info = c.info()[0]
-    assert "tenant" not in info and not fake_server.service.tenancy.enabled
+    assert "tenant" not in info and not fake_server.service.access.tenancy.enabled
     c.retire("plain")
 
 
@@ -729,7 +729,7 @@ class SharedServer(RuleBasedStateMachine):
 
     # -- what the fake engine lets the machine see beyond HTTP (RealSharedServer: HTTP) --
     def tenancy_of_server(self) -> Tenancy:
-        return self.server.service.tenancy
+        return self.server.service.access.tenancy
 
     def check_text(self, name: str, version: int, text: str) -> None:
         """The reply's tokens are those of the adapter pushed as `version`."""
@@ -737,7 +737,7 @@ class SharedServer(RuleBasedStateMachine):
 
     def check_quotas(self) -> None:
         for tenant in self.tenancy.tenants.values():
-            usage = self.server.service.usage(tenant)
+            usage = self.server.service.access.usage(tenant)
             for quota in ("names", "leases", "staging_bytes", "groups"):
                 assert usage[quota] <= getattr(tenant.quotas, quota), (tenant.name, usage)
         assert not self.server.bridge.violations, self.server.bridge.violations
@@ -917,7 +917,7 @@ class SharedServer(RuleBasedStateMachine):
         lease: a push's first step), the next gets 429 quota_pushes, and `other` still
         pushes. (The minute is filled in the fake's ledger: the rate is set high for the
         other rules.)"""
-        times = self.server.service.tenancy.pushes[who]
+        times = self.server.service.access.tenancy.pushes[who]
         kept = list(times)
         times.clear()
         times.extend([time.monotonic()] * (PUSH_RATE - 1))

@@ -52,9 +52,9 @@ class LoRASyncEndpointPlugin:
         state.lora_sync = service
         # A request admitted on an adapter reaches EngineCore carrying it, or is refused.
         engine_api.report_engine_requests(applied.engine_request)
-        if service.tenancy.enabled and keys:
+        if service.access.tenancy.enabled and keys:
             engine_api.let_tenant_keys_through(
-                lambda header: service.tenancy.resolve(header).kind == "tenant")
+                lambda header: service.access.tenancy.resolve(header).kind == "tenant")
         # vLLM's one API server serves prometheus_client's global registry at /metrics
         # (a multiprocess registry when PROMETHEUS_MULTIPROC_DIR is set): ours go there.
         metrics.install(service)

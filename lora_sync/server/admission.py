@@ -102,13 +102,13 @@ class AdmissionMiddleware:
             service = getattr(scope["app"].state, "lora_sync", None)
             try:
                 if service is not None:
-                    service.authorize_metrics(_header(scope, b"authorization"))
+                    service.access.authorize_metrics(_header(scope, b"authorization"))
             except LoRASyncError as e:
                 return await _json_reply(send, e.status, e.to_json())
         if scope["type"] == "http" and scope.get("method") == "GET" \
                 and scope.get("path") in MODEL_LISTS:
             service = getattr(scope["app"].state, "lora_sync", None)
-            if service is not None and service.tenancy.enabled:
+            if service is not None and service.access.tenancy.enabled:
                 return await _list_models_for(service, self.app, scope, receive, send,
                                               self.listed_for)
         if scope["type"] != "http" or scope.get("method") not in BODY_METHODS:
@@ -124,7 +124,7 @@ class AdmissionMiddleware:
             native = self._native_route(scope)
             if native is not None:
                 name = _native_name(native, scope, request)
-                service.authorize_native(_header(scope, b"authorization"), name)
+                service.access.authorize_native(_header(scope, b"authorization"), name)
                 if native.unloads:
                     return await self._unload_native(service, name, scope,
                                                      _replay(body, receive), send)
@@ -169,11 +169,11 @@ class AdmissionMiddleware:
         finally:
             applied.done(token)
             for a in admitted:
-                service.finish_request(a.served_name)
+                service.registry.release(a.served_name)
 
     async def _unload_native(self, service, name, scope, receive, send) -> None:
         """Runs the engine's unload; once it succeeded, the engine's cached copy is evicted
-        (service.evict_when_idle): vLLM's own unload only forgets the name."""
+        (registry.evict_when_idle): vLLM's own unload only forgets the name."""
         adapter_id = service.bridge.engine_adapter_id(name) if isinstance(name, str) else None
         status = []
 
@@ -183,7 +183,7 @@ class AdmissionMiddleware:
             await send(message)
         await self.app(scope, receive, watch)
         if adapter_id is not None and status and 200 <= status[0] < 300:
-            service.evict_when_idle(adapter_id)
+            service.registry.evict_when_idle(adapter_id)
 
     def _native_route(self, scope) -> NativeRoute | None:
         method, path = scope["method"], scope["path"]
@@ -213,7 +213,7 @@ class AdmissionMiddleware:
         admitted, ok, model_served = _Named(), False, None
         # Who asks (tenants.py): every name below is admitted for this caller, or answered
         # as a name that is not served.
-        caller = service.caller(_header(scope, b"authorization"))
+        caller = service.access.caller(_header(scope, b"authorization"))
         try:
             header = _header(scope, SAGEMAKER_ADAPTER_HEADER)
             if header is not None and not self.reads_adapter_header:
@@ -246,12 +246,12 @@ class AdmissionMiddleware:
                     request[f] = model_served
             if admitted and self.engine_guards is not None \
                     and not self.engine_guards(scope["path"]):
-                service.authorize_generation(_header(scope, b"authorization"), caller)
+                service.access.authorize_generation(_header(scope, b"authorization"), caller)
             ok = True
         finally:
             if not ok:
                 for a in admitted:
-                    service.finish_request(a.served_name)
+                    service.registry.release(a.served_name)
         if (admitted or model_served) and request:  # rewritten: the engine reads the new one
             body = json.dumps(request).encode()
             scope = _with_header(scope, b"content-length", str(len(body)))
@@ -262,11 +262,11 @@ class AdmissionMiddleware:
         ours; with strict_models, a name neither we nor the engine serve is a 404."""
         name = self.model_adapter(model)
         served = self._admit_name(service, name, admitted, caller)
-        if served is None and self.strict_models and not service.serves(name):
+        if served is None and self.strict_models and not service.registry.serves(name):
             raise NotFound(f"model {name[:140]!r} is not served here (neither a model nor an "
                            "adapter of this server)", code="model_not_found")
         if served is None and self.also_set and name == model \
-                and name not in self.model_names and service.serves(name):
+                and name not in self.model_names and service.registry.serves(name):
             # An engine adapter named bare: SGLang would read it as a model name and serve
             # the base model. It is named where the engine serves it (`also_set`), as ours.
             return name
@@ -281,7 +281,7 @@ class AdmissionMiddleware:
         record = service.admit(value, caller)
         if record is None:
             if self.engine_adapter(service, value):
-                if not service.tenancy.may_generate(caller, value):
+                if not service.access.tenancy.may_generate(caller, value):
                     raise hide(value, "model")
                 admitted.engine.append(value)
             return None
@@ -292,7 +292,7 @@ class AdmissionMiddleware:
         """Whether `name` is an adapter the engine serves itself, not one of its models:
         where admission knows the model names (SGLang), any other engine name; else the
         engine's own adapter table (vLLM's bridge)."""
-        if not service.serves(name) or name in self.model_names:
+        if not service.registry.serves(name) or name in self.model_names:
             return False
         return bool(self.model_names) or service.bridge.engine_adapter_id(name) is not None
 
@@ -300,15 +300,15 @@ class AdmissionMiddleware:
         """Whether `caller` sees `model_id` in the engine's model listing: the models, and
         the adapters (ours, the engine's) it may generate on."""
         base = naming.split_versioned(model_id)[0]
-        adapter = service.owns(model_id) or service.tenancy.owner_of(base) is not None \
+        adapter = service.registry.owns(model_id) or service.access.tenancy.owner_of(base) is not None \
             or self.engine_adapter(service, model_id)
-        return not adapter or service.tenancy.may_generate(caller, base)
+        return not adapter or service.access.tenancy.may_generate(caller, base)
 
 
 async def _list_models_for(service, app, scope, receive, send, listed_for) -> None:
     """The engine's model listing, less the adapters the caller may not generate on (other
     tenants' names would otherwise be probed here)."""
-    caller = service.caller(_header(scope, b"authorization"))
+    caller = service.access.caller(_header(scope, b"authorization"))
     start, chunks = None, []
 
     async def keep(message):

@@ -117,12 +117,12 @@ def state_samples():
     over this process's services (one in practice)."""
     retained, draining, inflight, alias, use, limit = {}, {}, {}, {}, {}, {}
     for service in list(_services):
-        tenancy = getattr(service, "tenancy", None)  # (tests register stand-ins too)
-        for tenant in (tenancy.tenants.values() if tenancy is not None else ()):
-            for quota, value in service.usage(tenant).items():
+        access = getattr(service, "access", None)  # (tests register stand-ins too)
+        for tenant in (access.tenancy.tenants.values() if access is not None else ()):
+            for quota, value in access.usage(tenant).items():
                 use[(tenant.name, quota)] = value
                 limit[(tenant.name, quota)] = getattr(tenant.quotas, quota)
-        for rec in list(service.records.values()):
+        for rec in list(service.registry.records.values()):
             key = (rec.name,)
             retained.setdefault(key, 0)
             draining.setdefault(key, 0)
@@ -132,7 +132,7 @@ def state_samples():
                 retained[key] += 1
             vkey = (rec.name, str(rec.version))
             inflight[vkey] = inflight.get(vkey, 0) + rec.inflight
-            latest = service.book.alias(rec.name)
+            latest = service.registry.book.alias(rec.name)
             if latest is not None:
                 alias[key] = max(alias.get(key, 0), latest)
     values = (retained, draining, inflight, alias, use, limit)

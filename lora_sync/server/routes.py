@@ -67,7 +67,7 @@ def build_router(prefix: str = "") -> APIRouter:
         caller = None
         try:
             # who: the operator, or a tenant (tenants.py); the action gets it
-            caller = service.authorize(request.headers.get("authorization"))
+            caller = service.access.authorize(request.headers.get("authorization"))
             if request.method == "POST":  # another protocol: refused before anything else
                 check_protocol(request.headers.get(PROTOCOL_HEADER))
             body, status = await action(service, caller), 200
@@ -82,7 +82,7 @@ def build_router(prefix: str = "") -> APIRouter:
             body, status = err.to_json(), err.status
         metrics.observe(route, status, body, time.perf_counter() - t0,
                         PUSH_ROUTES.get(route) or PUSH_START_ROUTES.get(route),
-                        tenant=caller.label if caller and service.tenancy.enabled else None)
+                        tenant=caller.label if caller and service.access.tenancy.enabled else None)
         body["instance_id"] = service.instance_id
         return JSONResponse(body, status_code=status,
                             headers={INSTANCE_HEADER: service.instance_id,
@@ -111,10 +111,7 @@ def build_router(prefix: str = "") -> APIRouter:
                 parsed = await read_stream(request, service)
             else:
                 parsed = route.parse(await read_json(request, service), service.settings)
-            if route.handler is None:
-                return await service.push(transport, parsed, caller)
-            return await service.tenant_call(route.handler, parsed,
-                                             service.contexts[transport.name], caller)
+            return await service.transport_call(transport, route, parsed, caller)
 
         async def endpoint(request: Request):
             return await handle(request, lambda service, caller: act(service, request, caller),

@@ -320,6 +320,15 @@ class Transport(ABC):
         """Server memory `state` holds for pushes not yet made (one budget with uploads)."""
         return 0
 
+    def leases(self, state) -> dict:
+        """The leases `state` holds open for pushes to come (lease id -> its staged body,
+        with `nbytes`): the tenants' ledger counts them against their owners."""
+        return {}
+
+    def groups(self, state) -> list[str]:
+        """The update groups `state` knows by name: the tenants' ledger counts them."""
+        return []
+
     def info(self, state) -> dict:
         """What lora_sync_info says about `state`."""
         return {}

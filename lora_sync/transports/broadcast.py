@@ -472,6 +472,9 @@ class BroadcastTransport(Transport):
     def new_state(self, limits) -> Groups:
         return Groups()
 
+    def groups(self, state: Groups) -> list[str]:
+        return list(state.tokens)
+
     async def init(self, req: InitGroupRequest, ctx: ServerContext) -> dict:
         address = await allowed_trainer(req.master_address, ctx.limits.allowed_trainers)
         status = await ctx.workers.status()

@@ -30,7 +30,7 @@ MEMFD_NAME = "lora-sync-lease"
 # -- typed messages ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class LeaseRequest:
-    # What the request holds for its client (service.tenant_call counts it on the tenant).
+    # What the request holds for its client (Access.tenant_call counts it on the tenant).
     opens: ClassVar[str] = "lease"
     nbytes: int
     # Who asks, as the client names itself: a label, never a bound (a client could mint

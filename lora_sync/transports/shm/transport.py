@@ -153,6 +153,9 @@ class ShmTransport(Transport):
     def held_bytes(self, state: LeaseTable) -> int:
         return state.held_bytes
 
+    def leases(self, state: LeaseTable) -> dict:
+        return state.pending
+
     def info(self, state: LeaseTable) -> dict:
         return {"open_leases": len(state.pending)}
 
