@@ -275,16 +275,18 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResp
                                    "code": status}}, status_code=status)
 
 
-def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = ()) -> FastAPI:
+def build_app(service: AdapterService, bridge: FakeBridge, engine_keys: tuple = (),
+              prefix: str = VLLM.route_prefix) -> FastAPI:
     """lora-sync's routes and admission as vllm_ext/plugin.py attaches them, on a fake
     engine's routes. `engine_keys`: the engine's own --api-key (vLLM's middleware guards
-    /v1 with it, and lets lora-sync's admin key through)."""
+    /v1 with it, and lets lora-sync's admin key through). `prefix`: where lora-sync's
+    routes go (the engine's `route_prefix`: a client finds the engine by it)."""
     from vllm_ext.engine_api import KEY_GUARDED_PREFIXES, NATIVE_ADAPTER_ROUTES
 
     app = FastAPI()
-    app.include_router(build_router(VLLM.route_prefix))
+    app.include_router(build_router(prefix))
     app.add_middleware(
-        AdmissionMiddleware, own_paths=own_paths(VLLM.route_prefix),
+        AdmissionMiddleware, own_paths=own_paths(prefix),
         native_routes=[NativeRoute(*r) for r in NATIVE_ADAPTER_ROUTES],
         engine_guards=lambda path: path.startswith(KEY_GUARDED_PREFIXES))
     if engine_keys:
@@ -432,6 +434,42 @@ class _LogBuffer(logging.Handler):
 LOGGERS = ("lora_sync", "uvicorn.error", "uvicorn.asgi")
 
 
+class CannedReplies:
+    """ASGI: a path in `replies` gets a fixed reply instead of the app's, so the client's
+    tests meet a broken or hostile server in front of an honest one. A reply is (status,
+    JSON body, headers) or a callable(JSON body of the request) that returns one. The dict
+    is read at every request (a test may change it as it goes), and `seen` records each
+    request's (method, path, status), the last 1000."""
+
+    def __init__(self, app, replies: dict):
+        self.app, self.replies = app, replies
+        self.seen: collections.deque = collections.deque(maxlen=1000)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        key = (scope["method"], scope["path"])
+        canned = self.replies.get(scope["path"])
+        if canned is None:
+            async def noting(message):
+                if message["type"] == "http.response.start":
+                    self.seen.append((*key, message["status"]))
+                await send(message)
+            return await self.app(scope, receive, noting)
+        if callable(canned):
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            canned = canned(json.loads(body or b"null"))
+        status, reply, *headers = canned
+        self.seen.append((*key, status))
+        await JSONResponse(reply, status_code=status, headers=(headers or [None])[0])(
+            scope, receive, send)
+
+
 class FakeEngineServer:
     """lora-sync on the fake engine, served by uvicorn on a thread of this process.
 
@@ -440,13 +478,15 @@ class FakeEngineServer:
     `workers`: fake engine workers (ranks). `engine_keys`: the engine's own API keys.
     `check_finite`: Settings.check_finite (default: as the test servers, which set it).
     `host`, `port`: the address to bind (default 127.0.0.1, a free port; tests/
-    fake_server_main.py binds a network namespace's address and a given port)."""
-
-    engine = VLLM.name  # routes where a vLLM server has them
+    fake_server_main.py binds a network namespace's address and a given port).
+    `engine`: whose place lora-sync's routes take (the fake engine's own routes stay
+    vLLM's). `canned`: route name (as `Server.route` takes it) -> a reply in place of the
+    honest one (see CannedReplies); `set_canned` changes them while it runs."""
 
     def __init__(self, settings: Settings | None = None, workers: int = 1,
                  check_finite: bool | None = None, engine_keys: tuple = (),
-                 host: str = "127.0.0.1", port: int = 0, **overrides):
+                 host: str = "127.0.0.1", port: int = 0, engine: str = VLLM.name,
+                 canned: dict | None = None, **overrides):
         self.settings = settings or settings_like_test_servers(**overrides)
         self.api_key = self.settings.api_key
         if check_finite is not None:
@@ -456,7 +496,12 @@ class FakeEngineServer:
             self.settings.generation_keys = tuple(engine_keys)
         self.bridge = FakeBridge(workers)
         self.service = AdapterService(self.bridge, self.settings)
-        self.app = build_app(self.service, self.bridge, tuple(engine_keys))
+        self.engine = engine
+        self._canned: dict = {}
+        self.set_canned(canned or {})
+        self._front = None
+        self.app = build_app(self.service, self.bridge, tuple(engine_keys),
+                             ENGINES[engine].route_prefix)
         self.host = host
         self.url = ""
         self.port = port
@@ -464,9 +509,35 @@ class FakeEngineServer:
         self._thread: threading.Thread | None = None
         self._logs = _LogBuffer()
 
+    def set_canned(self, canned: dict) -> None:
+        self._canned.clear()
+        self._canned.update({ENGINES[self.engine].route("", name): reply
+                             for name, reply in canned.items()})
+
+    @property
+    def seen(self) -> list[tuple[str, str, int]]:
+        """(method, path, status) of the requests it answered, oldest first (last 1000)."""
+        return list(self._front.seen)
+
+    @property
+    def instance_id(self) -> str:
+        return self.service.instance_id
+
+    def served(self) -> dict[str, list[int]]:
+        """Name -> the versions it serves now (the registry's own view)."""
+        out: dict[str, list[int]] = {}
+        for rec in self.service.registry.records.values():
+            if not rec.retired:
+                out.setdefault(rec.name, []).append(rec.version)
+        return {n: sorted(vs) for n, vs in out.items()}
+
     # the ServerProcess surface ------------------------------------------------------------
     def start(self) -> "FakeEngineServer":
         import uvicorn
+        # The fake's model, read now (it imports transformers, seconds the first time): a
+        # real engine knows its model before it serves, and a client's first push with a
+        # short timeout must not pay for the fake.
+        tiny_model_spec(self.bridge.max_rank)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))  # bound before the thread starts: no port race
@@ -474,7 +545,8 @@ class FakeEngineServer:
         self.url = f"http://{self.host}:{self.port}"
         for name in LOGGERS:
             logging.getLogger(name).addHandler(self._logs)
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
+        self._front = CannedReplies(self.app, self._canned)
+        config = uvicorn.Config(self._front, log_level="warning", lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=2,
                                 timeout_keep_alive=5)
         self._server = uvicorn.Server(config)

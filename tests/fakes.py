@@ -2,9 +2,9 @@
 lora-sync server (which is what the attacks used), so these tests need no vLLM or SGLang.
 
 `FakeServer(handler)` hands each request to `handler(req)`, which may answer anything at
-all (`req.send` writes raw bytes). `FakeLoRASync` is a small well-behaved lora-sync server
-(listing, info, tensor pushes with version checks, leases) whose routes a test can replace.
-Both are bounded: at most `max_connections` connections, every socket has a timeout, and
+all (`req.send` writes raw bytes). A well-behaved server is never written here: tests that
+need one use lora-sync's own stack on the fake engine (engine_fakes.FakeEngineServer, whose
+`canned` replies stand in for a server that answers garbage on some routes). It is bounded: at most `max_connections` connections, every socket has a timeout, and
 leaving the `with` block closes every connection (trickling handlers stop then)."""
 from __future__ import annotations
 
@@ -126,116 +126,6 @@ class FakeServer:
                 sock.close()
             except OSError:
                 pass
-
-
-def safetensors_metadata(body: bytes) -> dict:
-    n = int.from_bytes(body[:8], "little")
-    return json.loads(body[8:8 + n]).get("__metadata__", {})
-
-
-class FakeLoRASync(FakeServer):
-    """A minimal, honest lora-sync server: enough of the protocol for the client's logic
-    (numbering, conflicts, lease fall-back, engine detection). `routes` maps a route name
-    (e.g. "lora_adapters") to a handler(req) that replaces the honest one. `lease`:
-    "refuse" (429 too_many_leases: every lease taken), "memfd" (a real memfd lease, as the
-    real server grants) or a handler(req)."""
-
-    def __init__(self, engine: str = "vllm", api_key: str | None = None, lease="refuse",
-                 routes: dict | None = None):
-        super().__init__(self._route)
-        self.engine, self.api_key, self.lease = engine, api_key, lease
-        self.routes = dict(routes or {})
-        self.instance_id = uuid.uuid4().hex
-        self.versions: dict[str, list[int]] = {}   # name -> versions it took
-        self.refused: list[tuple[str, int]] = []   # (name, version) refused with 409
-        self.leases: dict[str, tuple[int, int]] = {}  # lease id -> (memfd, nbytes)
-        self.lock = threading.Lock()
-
-    def newest(self, name: str) -> int:
-        return max(self.versions.get(name, [0]))
-
-    def _route(self, req: Request):
-        prefix = "/v1/" if self.engine == "vllm" else "/"
-        if not req.path.startswith(prefix) or (self.engine == "sglang"
-                                               and req.path.startswith("/v1/")):
-            return req.reply(404, {"detail": "Not Found"})
-        route = req.path[len(prefix):]
-        if self.api_key and req.headers.get("authorization") != f"Bearer {self.api_key}":
-            return req.reply(401, {"error": {"code": "unauthorized", "status": 401,
-                                             "message": "missing or wrong admin key"}})
-        if route in self.routes:
-            return self.routes[route](req)
-        honest = {"lora_sync_info": self._info, "lora_adapters": self._listing,
-                  "load_lora_adapter_from_tensors": self._push,
-                  shm.LEASE_ROUTE: self._lease, shm.COMMIT_ROUTE: self._commit,
-                  shm.CANCEL_ROUTE: self._cancel}
-        if route not in honest:
-            return req.reply(404, {"detail": "Not Found"})
-        return honest[route](req)
-
-    def ok(self, req: Request, body: dict):
-        req.reply(200, {**body, "instance_id": self.instance_id})
-
-    def _info(self, req):
-        self.ok(req, {"workers": 1, "worker_status": [], "max_lora_rank": 16,
-                      "linear_modules": {"model.layers.0.self_attn.q_proj": [8, 8]},
-                      "keep_versions": 2, "max_body_bytes": 1 << 20, "max_names": 8,
-                      "open_leases": len(self.leases)})
-
-    def _listing(self, req):
-        self.ok(req, {"keep_versions": 2, "adapters": [
-            {"name": n, "alias_target": f"{n}-v{max(vs)}", "inflight": 0, "draining": [],
-             "versions": [{"version": v, "served_name": f"{n}-v{v}", "inflight": 0}
-                          for v in vs[-2:]]}
-            for n, vs in self.versions.items()]})
-
-    def install(self, req: Request, body: bytes, transport: str):
-        meta = safetensors_metadata(body)
-        name, version = meta["lora_name"], int(meta["version"])
-        with self.lock:
-            if version <= self.newest(name):
-                self.refused.append((name, version))
-                return req.reply(409, {"error": {
-                    "code": "version_conflict", "status": 409,
-                    "message": f"version {version} is not above the newest version "
-                               f"{self.newest(name)}"}})
-            self.versions.setdefault(name, []).append(version)
-        self.ok(req, {"name": f"{name}-v{version}", "lora_name": name, "version": version,
-                      "bytes": len(body), "load_ms": 1.0, "transport": transport,
-                      "timings_ms": {"receive": 1.0, "worker": 1.0}})
-
-    def _push(self, req):
-        self.install(req, req.body, "tensors")
-
-    def _lease(self, req):
-        if callable(self.lease):
-            return self.lease(req)
-        if self.lease == "refuse":
-            return req.reply(429, {"error": {"code": "too_many_leases", "status": 429,
-                                             "message": "8 leases are already open"}})
-        nbytes = req.json()["nbytes"]
-        fd = os.memfd_create(shm.MEMFD_NAME, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
-        os.ftruncate(fd, nbytes)
-        probe = os.urandom(shm.PROBE_BYTES)
-        os.pwrite(fd, probe, 0)
-        lease_id, token = uuid.uuid4().hex, uuid.uuid4().hex * 2
-        self.leases[lease_id] = (fd, nbytes)
-        self.ok(req, {"lease_id": lease_id, "token": token, "probe": probe.hex(),
-                      "path": f"/proc/{os.getpid()}/fd/{fd}", "nbytes": nbytes,
-                      "expires_s": 30.0})
-
-    def _commit(self, req):
-        fd, nbytes = self.leases.pop(req.json()["lease_id"])
-        shm.seal_and_read_header(fd, nbytes)  # as a server: waits for the trainer's copy
-        body = os.pread(fd, nbytes, 0)
-        os.close(fd)
-        self.install(req, body, "shm")
-
-    def _cancel(self, req):
-        held = self.leases.pop(req.json()["lease_id"], None)
-        if held is not None:
-            os.close(held[0])
-        self.ok(req, {"cancelled": True})
 
 
 def dead_url() -> str:

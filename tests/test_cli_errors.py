@@ -1,28 +1,29 @@
-"""The `lora-sync` command against fake servers on 127.0.0.1 (tests/fakes.py; no vLLM or
-SGLang): bad input exits 2 with a message, a server's failure is that server's (exit 1,
-named), the others still get the command, and nothing ends in a traceback."""
+"""The `lora-sync` command against lora-sync's real server stack on the fake engine
+(tests/engine_fakes.py; no vLLM or SGLang), some of it answering garbage (canned replies):
+bad input exits 2 with a message, a server's failure is that server's (exit 1, named), the
+others still get the command, and nothing ends in a traceback."""
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
-import torch
 
-from lora_sync import LoRAAdapter
 from lora_sync.trainer import cli
 
-from .fakes import FakeLoRASync, dead_url
-
-MODULE = "base_model.model.model.layers.0.self_attn.q_proj"
+from .engine_fakes import FakeEngineServer
+from .fakes import dead_url
 
 
 @pytest.fixture
-def adapter_dir(tmp_path):
-    LoRAAdapter({f"{MODULE}.lora_A.weight": torch.randn(2, 8),
-                 f"{MODULE}.lora_B.weight": torch.randn(8, 2)},
-                {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}).save(tmp_path / "a")
+def adapter_dir(tmp_path, make_adapter):
+    make_adapter(1, rank=2).save(tmp_path / "a")
     return str(tmp_path / "a")
+
+
+def fake(engine: str = "vllm", api_key: str | None = None, **kw) -> FakeEngineServer:
+    """lora-sync on the fake engine, its routes where `engine` has them, keyed or not."""
+    return FakeEngineServer(engine=engine, api_key=api_key, **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +57,7 @@ def test_bad_urls_and_unreadable_adapters_exit_2(capsys, monkeypatch, adapter_di
 
 @pytest.mark.parametrize("separator", [" ", ",", ", ", "\n"])
 def test_lora_sync_servers_takes_commas_and_or_whitespace(capsys, monkeypatch, separator):
-    with FakeLoRASync() as a, FakeLoRASync(engine="sglang") as b:
+    with fake() as a, fake("sglang") as b:
         monkeypatch.setenv("LORA_SYNC_SERVERS", f" {a.url}{separator}{b.url} ")
         rc, out, err = run(capsys, "ls")
     assert rc == 0, err
@@ -65,31 +66,31 @@ def test_lora_sync_servers_takes_commas_and_or_whitespace(capsys, monkeypatch, s
 
 def test_one_dead_server_does_not_stop_the_push_to_the_others(capsys, adapter_dir):
     dead = dead_url()
-    with FakeLoRASync() as a, FakeLoRASync(engine="sglang") as b:
+    with fake() as a, fake("sglang") as b:
         rc, out, err = run(capsys, "--server", a.url, "--server", dead, "--server", b.url,
                            "push", adapter_dir, "--name", "p")
         assert rc == 1
-        assert a.versions == b.versions == {"p": [1]}
-        assert f"{a.url}  p-v1  tensors" in out and f"{b.url}  p-v1  tensors" in out
+        assert a.served() == b.served() == {"p": [1]}
+        assert f"{a.url}  p-v1  " in out and f"{b.url}  p-v1  " in out  # the transport `auto` took
         assert f"{dead}  FAILED  unreachable" in out
         assert err.count("lora-sync: error:") == 1 and dead in err and "unreachable" in err
         # With the engine given, the same: the live servers get the next version.
         rc, out, err = run(capsys, "--engine", "vllm", "--server", a.url, "--server", dead,
                            "push", adapter_dir, "--name", "q")
-        assert rc == 1 and a.versions["q"] == [1] and dead in err
+        assert rc == 1 and a.served()["q"] == [1] and dead in err
         # resync: the fleet's newest to the server lacking it; the dead one is named.
-        a.versions["p"].append(2)
+        rc, out, err = run(capsys, "--server", a.url, "push", adapter_dir, "--name", "p")
+        assert rc == 0 and a.served()["p"] == [1, 2], err
         rc, out, err = run(capsys, "--server", a.url, "--server", b.url, "--server", dead,
                            "resync", adapter_dir, "--name", "p")
-        assert rc == 1 and b.versions["p"] == [1, 2], (out, err)
+        assert rc == 1 and b.served()["p"] == [1, 2], (out, err)
         assert f"{a.url}  has p-v2" in out and f"{b.url}  pushed p-v2" in out and dead in err
 
 
 def test_a_bad_listing_or_a_wrong_key_names_the_server(capsys):
-    garbage = {"lora_adapters": lambda req: req.reply(200, {"adapters": "none"}),
-               "lora_sync_info": lambda req: req.reply(200, ["not", "an", "object"])}
-    with FakeLoRASync(routes=garbage) as bad, FakeLoRASync(api_key="right") as keyed, \
-            FakeLoRASync() as good:
+    garbage = {"lora_adapters": (200, {"adapters": "none"}),
+               "lora_sync_info": (200, ["not", "an", "object"])}
+    with fake(canned=garbage) as bad, fake(api_key="right") as keyed, fake() as good:
         rc, out, err = run(capsys, "--server", bad.url, "--server", good.url, "ls")
         assert rc == 1 and f"bad_reply: {bad.url}" in err and "(no adapters)" in out
         rc, out, err = run(capsys, "--server", bad.url, "info")

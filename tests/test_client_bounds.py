@@ -19,15 +19,19 @@ from lora_sync import LoRAAdapter, LoRASyncClient, LoRASyncError, Server, Versio
 from lora_sync.errors import PushFailed, TooBusy, error_from_json
 from lora_sync.transports import shm
 
-from .fakes import FakeLoRASync, FakeServer, dead_url
+from testbed.tiny_model import TINY_CONFIG
+
+from .engine_fakes import FakeEngineServer
+from .fakes import FakeServer, dead_url
 
 MODULE = "base_model.model.model.layers.0.self_attn.q_proj"
+HIDDEN = TINY_CONFIG["hidden_size"]  # the fake engine's model (FakeEngineServer)
 
 
 def small_adapter(seed: int = 0) -> LoRAAdapter:
     g = torch.Generator().manual_seed(seed)
-    return LoRAAdapter({f"{MODULE}.lora_A.weight": torch.randn(2, 8, generator=g),
-                        f"{MODULE}.lora_B.weight": torch.randn(8, 2, generator=g)},
+    return LoRAAdapter({f"{MODULE}.lora_A.weight": torch.randn(2, HIDDEN, generator=g),
+                        f"{MODULE}.lora_B.weight": torch.randn(HIDDEN, 2, generator=g)},
                        {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})
 
 
@@ -107,8 +111,9 @@ def test_error_replies_of_any_shape_become_errors_of_their_status():
 def test_listing_info_health_and_completions_are_typed():
     bad = {"lora_adapters": {"adapters": [{"name": "p", "versions": [{"version": "1"}]}]},
            "lora_sync_info": {"workers": "1", "max_lora_rank": 8, "linear_modules": {}}}
-    routes = {r: (lambda body: lambda req: req.reply(200, body))(b) for r, b in bad.items()}
-    with FakeLoRASync(routes=routes) as fake, LoRASyncClient(fake.url, timeout=5) as client:
+    canned = {r: (200, b) for r, b in bad.items()}
+    with FakeEngineServer(api_key=None, canned=canned) as fake, \
+            LoRASyncClient(fake.url, timeout=5) as client:
         for call in (client.adapters, client.info, lambda: client.newest_versions("p")):
             try:
                 result = call()
@@ -116,12 +121,12 @@ def test_listing_info_health_and_completions_are_typed():
                 assert_names_server(e, fake.url, "bad_reply")
             else:
                 assert result == [None]  # newest_versions: an unreadable listing is "none"
-        fake.routes["lora_sync_info"] = lambda req: req.reply(200, {"instance_id": ["x"]})
+        fake.set_canned({**canned, "lora_sync_info": (200, {"instance_id": ["x"]})})
         [h] = client.health(timeout=2)
         assert not h["ok"] and h["error"].startswith("bad_reply") and fake.url in h["error"]
-    completions = {"completions": lambda req: req.reply(
-        200, {"choices": []}, headers={"X-LoRA-Version": "1; drop"})}
-    with FakeLoRASync(routes=completions) as fake, LoRASyncClient(fake.url, timeout=5) as c:
+    completions = {"completions": (200, {"choices": []}, {"X-LoRA-Version": "1; drop"})}
+    with FakeEngineServer(api_key=None, canned=completions) as fake, \
+            LoRASyncClient(fake.url, timeout=5) as c:
         for call in (lambda: c.completions(prompt="x"), lambda: c.complete("x", "p")):
             with pytest.raises(LoRASyncError) as e:
                 call()
@@ -258,15 +263,15 @@ def test_timeout_bounds_push_health_and_listings(handler):
 
 
 def test_a_trickling_server_fails_alone_within_the_timeout():
-    with FakeServer(trickling_body) as slow, FakeLoRASync() as good:
+    with FakeServer(trickling_body) as slow, FakeEngineServer(api_key=None) as good:
         with LoRASyncClient([good.url, slow.url], timeout=3) as client:
             t0 = time.monotonic()
             ok, late = client.push(small_adapter(), "p", on_error="skip")  # auto, numbered
             took = time.monotonic() - t0
         assert took < 3 + 1.5, took
-        assert ok.ok and ok.version == 1 and ok.transport == "tensors", ok
+        assert ok.ok and ok.version == 1 and ok.transport == "shared", ok  # auto, 2 on a host
         assert_names_server(late.error, slow.url, "unreachable")
-        assert good.versions == {"p": [1]}
+        assert good.served() == {"p": [1]}
 
 
 def test_a_whole_call_deadline_covers_every_request_inside_it():
@@ -279,17 +284,17 @@ def test_a_whole_call_deadline_covers_every_request_inside_it():
 
 # -- rule: a client that fell behind recovers its numbering --------------------------------
 def test_a_client_behind_the_servers_numbers_above_them_once():
-    with FakeLoRASync() as a, FakeLoRASync() as b:
+    with FakeEngineServer(api_key=None) as a, FakeEngineServer(api_key=None) as b:
         urls = [a.url, b.url]
         with LoRASyncClient(urls, timeout=5) as slow, LoRASyncClient(urls, timeout=5) as other:
             assert [r.version for r in slow.push(small_adapter(1), "pol")] == [1, 1]
             for _ in range(3):  # another client moves the name ahead
                 other.push(small_adapter(2), "pol")
-            assert (a.newest("pol"), b.newest("pol")) == (4, 4)
+            assert (max(a.served()["pol"]), max(b.served()["pol"])) == (4, 4)
             # slow's own number (2) is refused everywhere: it re-reads the servers and
             # pushes 5 to both, then counts on from there.
             assert [r.version for r in slow.push(small_adapter(3), "pol")] == [5, 5]
-            assert a.refused[-1] == ("pol", 2)
+            assert [st for m, _, st in a.seen if m == "POST"][-2:] == [409, 200]
             assert [r.version for r in slow.push(small_adapter(4), "pol")] == [6, 6]
             # An explicit version is the caller's: refused, never renumbered.
             with pytest.raises(PushFailed) as e:
@@ -307,27 +312,30 @@ def test_a_client_behind_the_servers_numbers_above_them_once():
 
 # -- rule: `auto` falls back to HTTP when a server has no room for a lease ----------------
 def test_auto_falls_back_to_http_when_leases_are_refused_for_capacity():
-    with FakeLoRASync(lease="refuse") as fake, LoRASyncClient(fake.url, timeout=5) as client:
+    refuse = (429, {"error": {"code": "too_many_leases", "status": 429,
+                              "message": "8 leases are already open"}})
+    with FakeEngineServer(api_key=None, canned={shm.LEASE_ROUTE: refuse}) as fake, \
+            LoRASyncClient(fake.url, timeout=5) as client:
         for version in (1, 2):
             [r] = client.push(small_adapter(), "cap")
             assert r.ok and r.version == version and r.transport == "tensors"
         # Only this push went over HTTP: the next one asks for a lease again.
-        assert [p for _, p in fake.seen].count(f"/v1/{shm.LEASE_ROUTE}") == 2
+        assert [p for _, p, _ in fake.seen].count(f"/v1/{shm.LEASE_ROUTE}") == 2
         with pytest.raises(TooBusy) as e:  # shm asked for by name: the refusal stands
             client.push(small_adapter(), "cap", transport="shm")
         assert e.value.code == "too_many_leases" and e.value.server == fake.url
-        fake.lease = lambda req: req.reply(429, {"error": {"code": "staging_full",
-                                                            "status": 429, "message": "full"}})
+        fake.set_canned({shm.LEASE_ROUTE: (429, {"error": {
+            "code": "staging_full", "status": 429, "message": "full"}})})
         assert client.push(small_adapter(), "cap")[0].transport == "tensors"
 
 
 def test_a_real_memfd_lease_is_written_and_committed():
     adapter = small_adapter(7)
-    with FakeLoRASync(lease="memfd") as fake, LoRASyncClient(fake.url, timeout=5) as client:
+    with FakeEngineServer(api_key=None) as fake, LoRASyncClient(fake.url, timeout=5) as client:
         [r] = client.push(adapter, "mem")
         assert r.ok and r.transport == "shm" and r.version == 1
         assert {"lease", "write"} <= set(r.reply["timings_ms"])
-        assert not fake.leases
+        assert not fake.service.contexts["shm"].state.pending  # the lease was redeemed
 
 
 def test_a_lease_naming_anything_but_a_lease_memfd_is_never_written(tmp_path):
@@ -336,26 +344,27 @@ def test_a_lease_naming_anything_but_a_lease_memfd_is_never_written(tmp_path):
     victim = tmp_path / "victim"
     held = []
 
-    def hostile(req):
-        nbytes = req.json()["nbytes"]
+    def hostile(body):
+        nbytes = body["nbytes"]
         probe = os.urandom(shm.PROBE_BYTES)
         victim.write_bytes(probe + b"k" * (nbytes - len(probe)))
         fd = os.open(victim, os.O_RDONLY)
         held.append(fd)
-        req.reply(200, {"lease_id": "a" * 32, "token": "b" * 64, "probe": probe.hex(),
-                        "path": f"/proc/{os.getpid()}/fd/{fd}", "nbytes": nbytes,
-                        "expires_s": 30})
+        return 200, {"lease_id": "a" * 32, "token": "b" * 64, "probe": probe.hex(),
+                     "path": f"/proc/{os.getpid()}/fd/{fd}", "nbytes": nbytes,
+                     "expires_s": 30}
     try:
-        with FakeLoRASync(lease=hostile) as fake, LoRASyncClient(fake.url, timeout=5) as c:
+        with FakeEngineServer(api_key=None, canned={shm.LEASE_ROUTE: hostile}) as fake, \
+                LoRASyncClient(fake.url, timeout=5) as c:
             with pytest.raises(LoRASyncError) as e:
                 c.push(small_adapter(), "h", transport="shm")
             assert e.value.code == "shm_unreachable"
             data = victim.read_bytes()
             assert data[shm.PROBE_BYTES:] == b"k" * (len(data) - shm.PROBE_BYTES)  # untouched
-            assert f"/v1/{shm.CANCEL_ROUTE}" in [p for _, p in fake.seen]
-            fake.lease = lambda req: req.reply(200, {
+            assert f"/v1/{shm.CANCEL_ROUTE}" in [p for _, p, _ in fake.seen]
+            fake.set_canned({shm.LEASE_ROUTE: lambda body: (200, {
                 "lease_id": "a" * 32, "token": "b" * 64, "probe": "00" * 16,
-                "path": str(victim), "nbytes": req.json()["nbytes"], "expires_s": 30})
+                "path": str(victim), "nbytes": body["nbytes"], "expires_s": 30})})
             with pytest.raises(LoRASyncError) as e:
                 c.push(small_adapter(), "h2", transport="shm")
             assert_names_server(e.value, fake.url, "bad_reply")
@@ -380,10 +389,9 @@ def test_bad_server_urls_are_refused_when_the_client_is_made():
 def test_a_server_refusing_to_join_a_group_fails_init_at_once():
     """The trainer does not wait out the rendezvous (here 8 s) for workers whose server
     already said no: the server's own error comes back at once."""
-    def refuse(req):
-        req.reply(409, {"error": {"code": "group_exists", "status": 409,
-                                  "message": "group 'default' already exists"}})
-    with FakeLoRASync(routes={"init_lora_update_group": refuse}) as fake, \
+    refuse = (409, {"error": {"code": "group_exists", "status": 409,
+                              "message": "group 'default' already exists"}})
+    with FakeEngineServer(api_key=None, canned={"init_lora_update_group": refuse}) as fake, \
             LoRASyncClient(fake.url, timeout=90) as client:
         t0 = time.monotonic()
         with pytest.raises(LoRASyncError) as e:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 
 from ... import wire
-from ...errors import BadRequest, NotFound, TooBusy
+from ...errors import BadRequest, LoRASyncError, NotFound, TooBusy
 from ...staging import StagedBody
 from ..base import ClientConfig, PushResult, Received, Route, SealedCopy, SendContext, Server, \
     ServerContext, Staged, Transport, staged_file
@@ -114,8 +114,11 @@ class ShmTransport(Transport):
         lease = Lease.from_json(granted, server.url, nbytes)
         t1 = time.perf_counter()
         read_fd = write_lease(lease, parts)
-        if read_fd is None:
-            _post(server, CANCEL_ROUTE, ctx, lease.ticket())
+        if read_fd is None:  # not a memfd this process can reach: never written
+            try:
+                _post(server, CANCEL_ROUTE, ctx, lease.ticket())
+            except LoRASyncError:
+                pass  # it expires on the server anyway; why the lease went unused stands
             return None
         try:
             return self._commit(lease, read_fd, server, ctx, t0, t1)
