@@ -171,10 +171,12 @@ class ServerProcess:
 
 def vllm_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64,
                 max_loras: int = 2, max_cpu_loras: int = 4, extra_args=(), env=None,
-                dtype: str = "float32", python: str = sys.executable) -> ServerProcess:
-    """A vLLM CPU server with lora-sync, through our launcher."""
+                dtype: str = "float32", python: str = sys.executable,
+                launcher: str = ENGINES["vllm"].launcher) -> ServerProcess:
+    """A vLLM CPU server with lora-sync, through our launcher (or `launcher`, a module
+    that takes vLLM's arguments: testbed.framework_server builds it as a framework does)."""
     port = port or free_port()
-    cmd = [python, "-m", ENGINES["vllm"].launcher, "--model", str(model_dir), "--host", "127.0.0.1",
+    cmd = [python, "-m", launcher, "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
            "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
            "--max-cpu-loras", str(max_cpu_loras), "--max-num-seqs", "8",

@@ -446,7 +446,7 @@ def test_untested_engine_version_is_refused_unless_overridden(monkeypatch):
 
 
 def test_vllm_launcher_adds_what_lora_sync_needs(monkeypatch):
-    from vllm_ext.plugin import WORKER_EXTENSION
+    from vllm_ext.mount import WORKER_EXTENSION
     from vllm_ext.serve import prepare
     monkeypatch.setenv("VLLM_PLUGINS", "other")
     argv = prepare(["--model", "m"])

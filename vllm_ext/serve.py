@@ -13,7 +13,7 @@ import os
 import sys
 
 from . import engine_api
-from .plugin import WORKER_EXTENSION
+from .mount import WORKER_EXTENSION
 
 
 def prepare(argv: list[str]) -> list[str]:

@@ -71,10 +71,12 @@ class AdapterRecord:
     inflight: int = 0          # admitted requests not yet finished
     retired: bool = False      # out of the window: no new requests, freed when idle
     hold: object = field(default=None, repr=False)  # the staged body workers map
+    handle: object = field(default=None, repr=False)  # the engine's request for it
 
     def listed(self) -> dict:
         """Its fields for a listing (what it holds stays inside: asdict would copy it)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hold"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("hold", "handle")}
 
 
 class Registry:

@@ -5,6 +5,7 @@ which versions exist and who uses them the `Registry`'s."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -196,7 +197,8 @@ class AdapterService:
             keep = owner.quotas.keep_versions if owner is not None else \
                 self.settings.keep_versions
             rec = AdapterRecord(name, version, served, adapter_id, staged.nbytes,
-                                int(cfg["r"]), transport, (t3 - t0) * 1e3, hold=staged.hold)
+                                int(cfg["r"]), transport, (t3 - t0) * 1e3, hold=staged.hold,
+                                handle=handle)
             registry.add(rec, keep)
             metrics.state_changed()
         return {"name": served, "lora_name": name, "version": version, "bytes": staged.nbytes,
@@ -213,6 +215,21 @@ class AdapterService:
         not generate on gets the reply an unknown model gets (Access.check_generate)."""
         self.access.check_generate(requested, caller)
         return self.registry.acquire(requested)
+
+    @contextlib.asynccontextmanager
+    async def using(self, requested: str, caller: Caller = OPERATOR):
+        """Generation that does not come through HTTP (a framework's Ray method calling the
+        engine itself): the version `requested` (an alias or `name-vN`) serves now, with
+        the engine's request for it (`.handle`), counted in flight until the block ends so
+        it is never freed under the request. A name that is not one of ours, or not the
+        caller's to generate on, raises NotFound."""
+        rec = self.admit(requested, caller)
+        if rec is None:
+            raise hide(requested, "model")
+        try:
+            yield rec
+        finally:
+            self.registry.release(rec.served_name)
 
     # -- the admin routes' other answers ---------------------------------------------------
     async def retire_name(self, body: dict, caller: Caller = OPERATOR) -> dict:
