@@ -21,7 +21,7 @@ setup(
         # lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer: pinned to the release
         # it is tested with (lora_sync/server/pins.py, scripts/drift_check.py)
         "trl": ["trl==1.16.0", "peft", "transformers"],
-        "test": ["fastapi", "pytest", "pytest-timeout", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
+        "test": ["fastapi", "pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
     },
     entry_points={
         "console_scripts": ["lora-sync = lora_sync.trainer.cli:main"],

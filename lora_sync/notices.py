@@ -30,7 +30,11 @@ def notice_paths(workers: int) -> list[str]:
     directory = subdir(staging_dir(), "notices")
     old = time.time() - NOTICE_MAX_AGE_S
     for entry in os.scandir(directory):
-        if entry.stat().st_mtime < old:
+        try:
+            stale = entry.stat().st_mtime < old
+        except FileNotFoundError:  # a worker's `.tmp` renamed into its notice meanwhile
+            continue
+        if stale:
             discard(entry.path)
     base = os.path.join(directory, uuid.uuid4().hex)
     return [f"{base}-{rank}.json" for rank in range(workers)]

@@ -75,7 +75,12 @@ class ServerProcess:
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "ServerProcess":
+    def launch(self) -> "ServerProcess":
+        """Starts the server's process without waiting for it to serve (`start` waits), so
+        several can boot at once. A running process is kept; a server that was stopped or
+        killed starts again."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         self._log = open(self.log_path, "wb")
         self.shm_before = set(os.listdir(SHM))
         self.private_tmp = tempfile.mkdtemp(prefix=f"lora-sync-{self.engine}-{self.port}-")
@@ -86,6 +91,11 @@ class ServerProcess:
         # whole seconds (a trainer step stalled 1.5 s; 20 ms in the same session).
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, process_group=0)
+        return self
+
+    def start(self) -> "ServerProcess":
+        """Launches the server (unless `launch` did) and waits until it serves."""
+        self.launch()
         deadline = time.time() + self.start_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -96,22 +96,21 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def moe_vllm(moe_dir):
-    env = {**MOE_ENV, "PYTHONPATH": str(REPO / "tests" / "vllm_moe_standin")}
-    with real_server("vllm", moe_dir, env, ("--api-key", GENERATION_KEY)) as server:
+def moe_vllm(request):
+    with _shared("moe_vllm", request) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def moe_sglang(moe_dir):
-    with real_server("sglang", moe_dir, MOE_ENV, ("--api-key", GENERATION_KEY)) as server:
+def moe_sglang(request):
+    with _shared("moe_sglang", request) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def sglang(model_dir):
+def sglang(request):
     """The shared SGLang CPU server, with the same lora-sync settings as `vllm`."""
-    with real_server("sglang", model_dir, SERVER_ENV) as server:
+    with _shared("sglang", request) as server:
         yield server
 
 
@@ -122,13 +121,79 @@ def server(request):
 
 
 @pytest.fixture(scope="session")
-def vllm(model_dir):
+def vllm(request):
     """The shared vLLM server: max 2 LoRA slots, 4 cached adapters, 4 MB body limit,
     3 versions kept per name, admin routes behind an API key."""
-    server = _vllm(model_dir, max_loras=2, max_cpu_loras=4, env=SERVER_ENV)
-    server.api_key = API_KEY
-    with server:
+    with _shared("vllm", request) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def framework_vllm(request):
+    """A vLLM server built the way verl builds its own, lora-sync mounted through the public
+    API (testbed/framework_server.py), with the session's settings."""
+    with _shared("framework_vllm", request) as server:
+        yield server
+
+
+def _keyed(server):
+    server.api_key = API_KEY
+    return server
+
+
+# The servers the session shares: name -> (the model directory's fixture, maker).
+SHARED_SERVERS = {
+    "vllm": ("model_dir", lambda d: _keyed(_vllm(d, max_loras=2, max_cpu_loras=4,
+                                                 env=SERVER_ENV))),
+    "sglang": ("model_dir", lambda d: real_server("sglang", d, SERVER_ENV)),
+    "framework_vllm": ("model_dir", lambda d: _keyed(_vllm(
+        d, env=SERVER_ENV, launcher="testbed.framework_server"))),
+    "moe_vllm": ("moe_dir", lambda d: real_server(
+        "vllm", d, {**MOE_ENV, "PYTHONPATH": str(REPO / "tests" / "vllm_moe_standin")},
+        ("--api-key", GENERATION_KEY))),
+    "moe_sglang": ("moe_dir", lambda d: real_server("sglang", d, MOE_ENV,
+                                                    ("--api-key", GENERATION_KEY))),
+}
+PRESTARTED: dict = {}  # launched by prestart_shared_servers, not yet taken by their fixture
+
+
+def _shared(name: str, request):
+    """A shared server (not yet serving: `with` waits for it), prestarted or made now."""
+    if name in PRESTARTED:
+        return PRESTARTED.pop(name)
+    directory, make = SHARED_SERVERS[name]
+    return make(request.getfixturevalue(directory))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prestart_shared_servers(request):
+    """CI time: the shared servers this run's tests name boot all at once, before the first
+    test (so no test runs beside a boot); their fixtures then take them. One that fails to
+    boot here is booted again by its fixture, which reports why. Stops what was launched
+    and never taken."""
+    wanted = set()
+    for item in request.session.items:
+        if item.get_closest_marker("skip") is not None:
+            continue
+        names = set(getattr(item, "fixturenames", ()))
+        wanted |= names & set(SHARED_SERVERS)
+        if names & {"server", "client"}:
+            param = getattr(getattr(item, "callspec", None), "params", {}).get("server")
+            wanted |= {param} if param in SHARED_SERVERS else {"vllm", "sglang"}
+    for name in sorted(wanted):
+        directory, make = SHARED_SERVERS[name]
+        try:
+            PRESTARTED[name] = make(request.getfixturevalue(directory)).launch()
+        except (pytest.skip.Exception, pytest.fail.Exception):
+            continue  # its fixture skips (or fails in CI) as it says
+    for server in list(PRESTARTED.values()):
+        try:
+            server.start()
+        except (RuntimeError, TimeoutError):
+            pass
+    yield
+    while PRESTARTED:
+        PRESTARTED.popitem()[1].stop()
 
 
 @pytest.fixture(scope="session")
@@ -187,7 +252,8 @@ def make_fake_server():
 
 # -- which tests need a real server: marker `server` (pytest -m "not server" skips them) ---
 # Fixtures that are, or start, real vLLM/SGLang servers.
-REAL_SERVER_FIXTURES = {"vllm", "sglang", "moe_vllm", "moe_sglang", "server", "client",
+REAL_SERVER_FIXTURES = {"vllm", "sglang", "moe_vllm", "moe_sglang", "framework_vllm",
+                        "server", "client",
                         "vllm_second", "vllm_tp2",
                         "dp_server", "crashable"}
 # Modules whose tests start servers, torchrun jobs or network namespaces in their bodies.

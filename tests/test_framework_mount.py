@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 
 from lora_sync import LoRASyncClient, http
-from testbed.processes import vllm_server
 
-from .conftest import API_KEY, SERVER_ENV
+from .conftest import API_KEY
 from .helpers import push_by
 from .peft_oracle import server_greedy
 
@@ -22,15 +21,6 @@ pytestmark = pytest.mark.server
 
 PROMPT = "The quick brown fox"
 N = 12
-
-
-@pytest.fixture(scope="module")
-def framework_vllm(model_dir):
-    pytest.importorskip("vllm")
-    server = vllm_server(model_dir, env=SERVER_ENV, launcher="testbed.framework_server")
-    server.api_key = API_KEY
-    with server:
-        yield server
 
 
 @pytest.fixture(scope="module")

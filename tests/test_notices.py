@@ -89,3 +89,19 @@ def test_a_missing_notice_is_a_transfer_failure_at_the_timeout():
     first, second = wait(paths, 0.2)
     assert first.ok and not second.ok
     assert second.code == "transfer_failed" and "did not finish" in second.message
+
+
+def test_a_notice_renamed_while_new_paths_are_made_is_passed_over(monkeypatch):
+    """A worker's `.tmp` becomes its notice (os.replace) between the sweep's listing and its
+    look at the file: the next call's paths are still made (it was a 500 under load)."""
+    [path] = notices.notice_paths(1)
+    notices.write_notice(path, WorkerReply.run(lambda: {"rank": 0}))
+    listing = os.scandir
+
+    def renamed_after_listing(directory):
+        entries = list(listing(directory))
+        for entry in entries:
+            os.replace(entry.path, entry.path + ".moved")
+        return iter(entries)
+    monkeypatch.setattr(notices.os, "scandir", renamed_after_listing)
+    assert len(notices.notice_paths(2)) == 2
