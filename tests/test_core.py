@@ -445,6 +445,15 @@ def test_untested_engine_version_is_refused_unless_overridden(monkeypatch):
     assert require_supported("vLLM", "0.31.0") == "0.31.0"
 
 
+def test_a_release_checked_only_statically_starts_with_one_warning(caplog):
+    from lora_sync.server.pins import require_supported
+    with caplog.at_level("INFO", logger="lora_sync"):
+        require_supported("vLLM", "0.33.0")
+        require_supported("vLLM", "0.32.0")
+    [warned] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "0.33.0: statically checked, not run here" in warned.getMessage()
+
+
 def test_vllm_launcher_adds_what_lora_sync_needs(monkeypatch):
     from vllm_ext.mount import WORKER_EXTENSION
     from vllm_ext.serve import prepare

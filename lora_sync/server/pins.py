@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..engines import ENGINES, TRL_SUPPORTED
+from ..engines import ENGINES, STATIC_ONLY, TRL_SUPPORTED
 
 OVERRIDE_ENV = "LORA_SYNC_ALLOW_UNTESTED_ENGINE"
 
@@ -29,8 +29,9 @@ def require_supported(engine: str, installed: str) -> str:
     how = SUPPORTED[engine]
     version = installed.split("+")[0]  # local builds: 0.32.0+cpu is 0.32.0
     if version in how:
-        logger.info("lora-sync on %s %s: %s (supported: %s)", engine, installed, how[version],
-                    _describe(how))
+        log = logger.warning if how[version].startswith(STATIC_ONLY) else logger.info
+        log("lora-sync on %s %s: %s (supported: %s)", engine, installed, how[version],
+            _describe(how))
         return installed
     if os.environ.get(OVERRIDE_ENV) != "1":
         raise RuntimeError(
