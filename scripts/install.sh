@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
+# No byte-compiling at install: pip would compile every file of torch, vLLM and SGLang, and
+# the few thousand a server imports are compiled (and cached) on their first import.
+export PIP_NO_COMPILE=1
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 
