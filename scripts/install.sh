@@ -4,7 +4,7 @@
 #                tests run here)
 #   .venv-sglang sglang 0.5.23 for CPU + lora-sync (scripts/install_sglang.sh); skip with
 #                LORA_SYNC_NO_SGLANG=1
-#   .venv-verl-lib verl 0.9.1 and its light dependencies, no vLLM (scripts/install_verl.sh)
+#   .venv-rl-lib verl 0.9.1 and SkyRL 0.3.0 without their dependencies (scripts/install_rl_frameworks.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"
@@ -46,8 +46,8 @@ if ! $V -c "import vllm, peft" 2>/dev/null; then
 fi
 # trl: lora_sync.integrations.trl and its tests (adds only packages vLLM's env lacks).
 $V -m pip install -q -e ".[test,trl]" "torch==2.13.0"
-# verl 0.9.1's classes for lora_sync.integrations.verl's tests (.venv-verl-lib; no vLLM of its own).
-bash scripts/install_verl.sh
+# verl and SkyRL classes for lora_sync.integrations tests (.venv-rl-lib; no vLLM of their own).
+bash scripts/install_rl_frameworks.sh
 if [ -n "${SGLANG_PID:-}" ]; then
   sglang_rc=0
   wait "$SGLANG_PID" || sglang_rc=$?

@@ -6,9 +6,11 @@ Every test that needs a real server process is marked `server` at collection (se
 pytest_collection_modifyitems): `pytest -m "not server"` runs only the in-process tests."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,24 @@ def _vllm(model_dir, **kw):
 
 
 REPO = Path(__file__).resolve().parents[1]
+RL_LIB = REPO / ".venv-rl-lib"  # scripts/install_rl_frameworks.sh
+
+
+@contextlib.contextmanager
+def rl_frameworks(*subdirs: str):
+    """verl's and SkyRL's own packages importable while the block runs (they live beside
+    .venv, not in it); skips (fails in CI) where they are not installed."""
+    if not (RL_LIB / ".complete").exists():
+        if os.environ.get("CI"):
+            pytest.fail("no .venv-rl-lib in CI: scripts/install.sh did not install it")
+        pytest.skip("no .venv-rl-lib: run scripts/install_rl_frameworks.sh")
+    paths = [str(RL_LIB), *(str(RL_LIB / d) for d in subdirs)]
+    sys.path[:0] = paths
+    try:
+        yield
+    finally:
+        for path in paths:
+            sys.path.remove(path)
 SERVER_ENV = {"LORA_SYNC_MAX_BODY_MB": "4", "LORA_SYNC_API_KEY": API_KEY,
               "LORA_SYNC_KEEP_VERSIONS": "3", "LORA_SYNC_CHECK_FINITE": "1",
               # small bounds so the attack tests reach them quickly

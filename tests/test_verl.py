@@ -1,5 +1,5 @@
-"""lora_sync.integrations.verl against verl 0.9.1's own classes (scripts/install_verl.sh puts
-them in .venv-verl-lib, beside .venv's vLLM 0.32): its checkpoint-engine registry, the
+"""lora_sync.integrations.verl against verl 0.9.1's own classes (scripts/install_rl_frameworks.sh
+puts them in .venv-rl-lib, beside .venv's vLLM 0.32): its checkpoint-engine registry, the
 actor worker's `update_weights` and the rollout's `CheckpointEngineWorker.update_weights`,
 driven as verl's own CPU tests drive them (`Cls.__new__`, `update_weights.__wrapped__`), and
 its FSDP engine's real `get_per_tensor_param` on a PEFT model (not FSDP-wrapped here).
@@ -13,30 +13,22 @@ without one is refused."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import types
 
 import pytest
 
 from lora_sync import LoRAAdapter, LoRASyncClient
 
-from .conftest import API_KEY, REPO
+from .conftest import API_KEY, rl_frameworks
 from .engine_fakes import served_text
 from .peft_oracle import peft_greedy, peft_model, server_greedy
 
-VERL_LIB = REPO / ".venv-verl-lib"
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
 def verl():
-    if not (VERL_LIB / ".complete").exists():
-        if os.environ.get("CI"):
-            pytest.fail("no .venv-verl-lib in CI: scripts/install.sh did not install verl")
-        pytest.skip("no .venv-verl-lib: run scripts/install_verl.sh")
-    sys.path.insert(0, str(VERL_LIB))
-    try:
+    with rl_frameworks():
         import verl.checkpoint_engine.base as base
         import verl.workers.engine.fsdp.transformer_impl as fsdp
         import verl.workers.engine_workers as workers
@@ -44,8 +36,6 @@ def verl():
         import lora_sync.integrations.verl as integration
         yield types.SimpleNamespace(base=base, fsdp=fsdp, workers=workers,
                                     integration=integration)
-    finally:
-        sys.path.remove(str(VERL_LIB))
 
 
 @pytest.fixture

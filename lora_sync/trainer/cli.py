@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import http, naming
-from ..api import ALIAS_ROUTE, API_KEY_ENV, INFO_ROUTE
+from ..api import ALIAS_ROUTE, API_KEY_ENV, INFO_ROUTE, SERVERS_ENV, servers_from_env
 from ..transports import TRANSPORTS
 from .client import LoRASyncClient
 from ..engines import ENGINES
@@ -46,8 +45,7 @@ def detect_engine(url: str, headers: dict, timeout: float) -> str:
 
 
 def server_urls(args) -> list[str]:
-    urls = args.server or re.split(r"[\s,]+", os.environ.get("LORA_SYNC_SERVERS", "").strip())
-    urls = [u for u in urls if u]
+    urls = [u for u in args.server if u] if args.server else servers_from_env()
     if not urls:
         raise UsageError("no server: pass --server URL (repeatable) or set LORA_SYNC_SERVERS "
                          "(URLs separated by commas and/or spaces)")
@@ -55,7 +53,7 @@ def server_urls(args) -> list[str]:
         try:
             http.check_url(url)
         except ValueError as e:
-            raise UsageError(f"{e} (from {'--server' if args.server else 'LORA_SYNC_SERVERS'})")
+            raise UsageError(f"{e} (from {'--server' if args.server else SERVERS_ENV})")
     return list(dict.fromkeys(urls))
 
 
