@@ -186,16 +186,25 @@ def vllm_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64,
     """A vLLM CPU server with lora-sync, through our launcher (or `launcher`, a module
     that takes vLLM's arguments: testbed.framework_server builds it as a framework does)."""
     port = port or free_port()
-    cmd = [python, "-m", launcher, "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
-           "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
-           "--max-cpu-loras", str(max_cpu_loras), "--max-num-seqs", "8",
-           "--served-model-name", "base", *extra_args]
-    # The engine's own disk route: the baseline tests and the benchmark compare against.
-    base_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
-                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return ServerProcess(cmd, port, {**base_env, **(env or {})}, engine="vllm")
+    cmd = [python, "-m", launcher, *vllm_args(model_dir, port, max_lora_rank=max_lora_rank,
+                                              max_loras=max_loras, max_cpu_loras=max_cpu_loras,
+                                              dtype=dtype), *extra_args]
+    return ServerProcess(cmd, port, {**VLLM_ENV, **(env or {})}, engine="vllm")
+
+
+# The engine's own disk route: the baseline tests and the benchmark compare against.
+VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_args(model_dir, port: int, *, max_lora_rank: int = 64, max_loras: int = 2,
+              max_cpu_loras: int = 4, dtype: str = "float32") -> list[str]:
+    """The vLLM arguments of a test server (a launcher's, or testbed.framework_server's)."""
+    return ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--max-model-len", "512", "--max-lora-rank", str(max_lora_rank),
+            "--max-loras", str(max_loras), "--max-cpu-loras", str(max_cpu_loras),
+            "--max-num-seqs", "8", "--served-model-name", "base"]
 
 
 def sglang_server(model_dir, port: int | None = None, *, max_lora_rank: int = 64,
