@@ -9,13 +9,9 @@ leaving the `with` block closes every connection (trickling handlers stop then).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
-import uuid
-
-from lora_sync.transports import shm
 
 
 class Request:
