@@ -14,12 +14,11 @@ import pytest
 from lora_sync import LoRASyncClient, http
 
 from .conftest import API_KEY
-from .helpers import push_by
+from .helpers import PROMPT, push_by
 from .peft_oracle import server_greedy
 
 pytestmark = pytest.mark.server
 
-PROMPT = "The quick brown fox"
 N = 12
 
 

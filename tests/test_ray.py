@@ -23,11 +23,11 @@ import pytest
 from testbed.processes import VLLM_ENV, free_port, vllm_args
 
 from .conftest import API_KEY, REPO, RL_LIB, SERVER_ENV, rl_frameworks
+from .helpers import PROMPT
 from .peft_oracle import peft_greedy, peft_model
 
 pytestmark = [pytest.mark.server, pytest.mark.extended]
 
-PROMPT = "The quick brown fox"
 N = 12
 
 

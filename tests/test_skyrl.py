@@ -26,9 +26,9 @@ import typing_extensions
 from lora_sync import LoRASyncClient
 
 from .conftest import API_KEY, rl_frameworks
+from .helpers import PROMPT
 from .peft_oracle import peft_greedy, peft_model, server_greedy
 
-PROMPT = "The quick brown fox"
 
 
 def _no_flash_attn() -> dict:

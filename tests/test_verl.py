@@ -21,9 +21,9 @@ from lora_sync import LoRAAdapter, LoRASyncClient
 
 from .conftest import API_KEY, rl_frameworks
 from .engine_fakes import served_text
+from .helpers import PROMPT
 from .peft_oracle import peft_greedy, peft_model, server_greedy
 
-PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ sends it, and all ranks meet at SkyRL's barrier after. Nothing is written to dis
 from __future__ import annotations
 
 import asyncio
+import os
 
 from ..adapter import LoRAAdapter
 from ..api import API_KEY_ENV, servers_from_env
@@ -27,8 +28,6 @@ def install(servers=None, *, api_key: str | None = None, engine: str = "vllm",
     """Makes `worker_cls` (SkyRL's FSDPPolicyWorkerBase) sync its LoRA by lora-sync.
     `servers`: the servers' URLs (default: LORA_SYNC_SERVERS); `api_key` (default:
     LORA_SYNC_API_KEY), `engine`, `timeout`: as LoRASyncClient's; `transport`: as push's."""
-    import os
-
     import torch.distributed as dist
     from skyrl.backends.skyrl_train.distributed.fsdp_utils import collect_lora_params
     if worker_cls is None:
@@ -39,17 +38,17 @@ def install(servers=None, *, api_key: str | None = None, engine: str = "vllm",
         raise ValueError("lora_sync.integrations.skyrl needs the servers' URLs: pass servers= "
                          "or set LORA_SYNC_SERVERS")
     args = dict(engine=engine, api_key=api_key or os.environ.get(API_KEY_ENV), timeout=timeout)
-    clients: list[LoRASyncClient] = []  # made on the rank that pushes, at its first sync
+    client: LoRASyncClient | None = None  # made on the rank that pushes, at its first sync
 
     async def _save_lora_adapters_and_sync(self, peft_model, lora_sync_path,
                                            inference_engine_client, lora_name="skyrl-lora"):
         # `lora_sync_path` and `inference_engine_client`: SkyRL's disk route, not taken
+        nonlocal client
         params = collect_lora_params(module=self.model.model)
         if dist.get_rank() == 0:
-            if not clients:
-                clients.append(LoRASyncClient(servers, **args))
+            client = client or LoRASyncClient(servers, **args)
             adapter = LoRAAdapter(params, peft_model.peft_config["default"].to_dict())
-            await asyncio.to_thread(clients[0].push, adapter, lora_name, transport=transport)
+            await asyncio.to_thread(client.push, adapter, lora_name, transport=transport)
         dist.barrier()
 
     worker_cls._save_lora_adapters_and_sync = _save_lora_adapters_and_sync

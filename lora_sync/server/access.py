@@ -152,12 +152,13 @@ class Access:
             return await handler(request, ctx)
         async with self._registry.locks.hold(f"tenant:{tenant.name}"):  # ':' in no name
             if opened == "lease":
-                held = self.tenant_leases(tenant)
+                leases = self._leases()
+                held = self.tenancy.open_leases(tenant, leases)
                 if len(held) >= tenant.quotas.leases:
                     raise TooBusy(f"tenant {tenant.name!r} has {len(held)} open leases (its "
                                   "max_leases quota); commit or cancel one first",
                                   code="quota_leases")
-                self.tenancy.check_staging(tenant, self._leases(), request.nbytes)
+                self.tenancy.check_staging(tenant, leases, request.nbytes)
                 reply = await handler(request, ctx)
                 self.tenancy.leases[reply["lease_id"]] = tenant.name
                 return reply
@@ -178,9 +179,10 @@ class Access:
                                                     raw.content_length, held_elsewhere=held)
         # What the body may be: the tenant's quota less what it holds (a body without a
         # Content-Length is cut off there, as one above LORA_SYNC_MAX_BODY_MB would be).
-        left = tenant.quotas.staging_bytes - self.tenancy.staged_bytes(tenant, self._leases())
+        leases = self._leases()
+        left = tenant.quotas.staging_bytes - self.tenancy.staged_bytes(tenant, leases)
         claimed = raw.content_length if raw.content_length is not None else max(left, 0)
-        self.tenancy.check_staging(tenant, self._leases(), max(claimed, 1))
+        self.tenancy.check_staging(tenant, leases, max(claimed, 1))
         limits = self.settings.body_limits
         limits = dataclasses.replace(limits, max_body=min(limits.max_body, claimed))
         self.tenancy.uploads[tenant.name] += claimed
