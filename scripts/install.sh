@@ -44,8 +44,9 @@ if ! $V -c "import vllm, peft" 2>/dev/null; then
   # (peft then fails to import) and triton (1 GB, unused on CPU): remove them.
   $V -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 fi
-# trl: lora_sync.integrations.trl and its tests (adds only packages vLLM's env lacks).
-$V -m pip install -q -e ".[test,trl]" "torch==2.13.0"
+# trl: lora_sync.integrations.trl and its tests. uvicorn: the release lora-sync's socket body
+# reader was checked on, as its server extras pin it (vLLM alone takes the newest).
+$V -m pip install -q -e ".[test,trl]" "torch==2.13.0" "uvicorn==0.54.0"
 # verl and SkyRL classes for lora_sync.integrations tests (.venv-rl-lib; no vLLM of their own).
 bash scripts/install_rl_frameworks.sh
 if [ -n "${SGLANG_PID:-}" ]; then

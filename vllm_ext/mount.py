@@ -22,6 +22,7 @@ under it. docs/integrations.md has the whole recipe."""
 from __future__ import annotations
 
 import os
+import weakref
 
 from starlette.middleware import Middleware
 
@@ -39,6 +40,9 @@ PREFIX = ENGINES["vllm"].route_prefix
 WORKER_EXTENSION = "worker_extensions.vllm.LoRASyncWorkerExtension"
 COMPOSED_EXTENSION = "worker_extensions.composed.ComposedWorkerExtension"
 BASE_ENV = "LORA_SYNC_WORKER_EXTENSION_BASE"  # worker_extensions.composed reads it
+# The service `start` built for each engine, for a framework whose code keeps the engine but
+# never sees the app it mounted on (verl's run_server): `service_for(engine)`.
+_services: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def worker_extension(theirs: str | None = None) -> str:
@@ -98,6 +102,7 @@ async def start(engine_client, state, args) -> AdapterService:
         raise RuntimeError(f"lora-sync reached workers with ranks {ranks} of "
                            f"{status[0]['world_size']}: some engine is not reachable")
     state.lora_sync = service
+    _services[engine_client] = service
     # A request admitted on an adapter reaches EngineCore carrying it, or is refused.
     engine_api.report_engine_requests(applied.engine_request)
     if service.access.tenancy.enabled and keys:
@@ -111,3 +116,13 @@ async def start(engine_client, state, args) -> AdapterService:
     # metrics.install), and refuses every push saying why.
     await service.model_unsupported(status)
     return service
+
+
+def service_for(engine_client) -> AdapterService:
+    """The service `start` built for this engine (vLLM's plugin hook calls it where the
+    framework builds the app itself)."""
+    try:
+        return _services[engine_client]
+    except KeyError:
+        raise RuntimeError("lora-sync was not started on this engine: name lora_sync in "
+                           "VLLM_PLUGINS, or call vllm_ext.mount.start") from None
