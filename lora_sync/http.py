@@ -177,12 +177,13 @@ def _read_body(resp, max_bytes: int, deadline: float, where: str) -> bytes:
 
 
 def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None,
-             timeout: float = 120.0, max_reply_bytes: int = MAX_REPLY_BYTES, on_sent=None
-             ) -> tuple[int, bytes, dict]:
-    """Sends a request; the body is either `json_body` or an iterable of byte chunks.
-    Returns (status, reply bytes, reply headers), all of it within `timeout` seconds (and
-    the deadline of an enclosing `within`). `on_sent()` is called once the whole body has
-    left, before the reply is read."""
+             timeout: float = 120.0, max_reply_bytes: int = MAX_REPLY_BYTES, on_sent=None,
+             content_length: int | None = None) -> tuple[int, bytes, dict]:
+    """Sends a request; the body is either `json_body` or an iterable of byte chunks (given
+    `content_length`, an iterator consumed while it sends: a relay forwarding what it
+    receives). Returns (status, reply bytes, reply headers), all of it within `timeout`
+    seconds (and the deadline of an enclosing `within`). `on_sent()` is called once the
+    whole body has left, before the reply is read."""
     deadline = time.monotonic() + timeout
     scoped = _deadline.get()
     if scoped is not None:
@@ -192,8 +193,10 @@ def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None
     if json_body is not None:
         chunks = [json.dumps(json_body).encode()]
         headers["Content-Type"] = "application/json"
-    chunks = list(chunks or [])
-    headers["Content-Length"] = str(sum(len(c) for c in chunks))
+    if content_length is None:
+        chunks = list(chunks or [])
+        content_length = sum(len(c) for c in chunks)
+    headers["Content-Length"] = str(content_length)
     conn, path = _connection(url, timeout)
     guard = None
     try:

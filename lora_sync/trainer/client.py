@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import replace
 
-from .. import http, naming, replies
+from .. import http, naming, relay, replies
 from . import sharded
 from ..adapter import LoRAAdapter
 from ..api import ADAPTERS_ROUTE, ALIAS_ROUTE, INFO_ROUTE, RETIRE_ROUTE
@@ -20,7 +20,9 @@ from ..transports import TRANSPORTS
 from ..transports.base import ClientConfig, PushResult, SendContext, Server, Transport, \
     Unavailable, with_protocol
 
-TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
+# `relay`: one copy per node, through the relays the client was given (lora_sync/relay.py).
+RELAY = "relay"
+TRANSPORT_CHOICES = ("auto", *TRANSPORTS, RELAY)
 # What `auto` tries on each server, in order: each transport says where it stands.
 AUTO = sorted((t for t in TRANSPORTS.values() if t.auto_order is not None),
               key=lambda t: t.auto_order)
@@ -109,17 +111,22 @@ class LoRASyncClient:
     `lease_ahead`: a transport may ready what the next push of a name will use ahead of it
     (shm: the next lease, on a thread; transports/shm/ready_lease.py): the next push only
     copies. False: nothing is held between pushes.
+    `relays`: server URL -> the URL of the relay on that server's node (lora_sync/relay.py),
+    for `transport='relay'`: the trainer sends one copy, each node's relay passes it on to
+    the next and shares it with its own servers.
 
     Every reply is read as its route's typed message, at most 16 MiB; anything else is a
     LoRASyncError `bad_reply` naming the server (`e.server`)."""
 
     def __init__(self, servers, engine: str = "vllm", api_key: str | None = None,
-                 timeout: float = 300.0, remember: bool = True, lease_ahead: bool = True):
+                 timeout: float = 300.0, remember: bool = True, lease_ahead: bool = True,
+                 relays: dict | None = None):
         if isinstance(servers, (str, Server)):
             servers = [servers]
         self.servers = [s if isinstance(s, Server) else Server(s, engine) for s in servers]
         self.headers = with_protocol({"Authorization": f"Bearer {api_key}"} if api_key else {})
         self.timeout = timeout
+        self.relays = dict(relays or {})
         # Listings before a push (numbering, resync): small JSON, so a hung server is given
         # up on sooner, and leaves most of the call's time to the push itself.
         self.probe_timeout = min(timeout / 4, 10.0)
@@ -200,7 +207,7 @@ class LoRASyncClient:
         # What the client keeps of the push, for a resync: what the push itself left where
         # it leaves one (shm: the sealed lease; broadcast on CPU: the packed frames), else a
         # copy made while the servers work on the push.
-        viewed = self.memory.remember and all(
+        viewed = self.memory.remember and transport != RELAY and all(
             t.keeps_copy(self.states[t.name]) for t in
             ([TRANSPORTS[transport]] if transport != "auto" else
              [self._auto_choices(s)[0] for s in self.servers]))
@@ -216,7 +223,7 @@ class LoRASyncClient:
         results = self._send(adapter, name, version, transport, checksum, deadline,
                              alongside=None if viewed else lambda: copied.append(
                                  self.memory.snapshot(name, adapter)), keep=viewed)
-        if chosen and (transport == "auto" or TRANSPORTS[transport].per_server) \
+        if chosen and (transport in ("auto", RELAY) or TRANSPORTS[transport].per_server) \
                 and any(r.error.code == "version_conflict" for r in results if not r.ok):
             # A server holds a newer version (another client or the CLI pushed): number
             # above the servers' newest and push once more, to every server alike.
@@ -241,6 +248,8 @@ class LoRASyncClient:
         """One push to every server: the transport prepares it once, the client sends it to
         each server at once (a stale server first gets what it lost), the transport
         finishes it."""
+        if transport == RELAY:
+            return self._send_by_relay(adapter, name, version, checksum, deadline, alongside)
         bodies = _BodiesOut(len(self.servers))
         ctx = SendContext(name, version, checksum, self.headers, self.timeout, self.client_id,
                           self.states.get(transport), True, keep,
@@ -279,6 +288,18 @@ class LoRASyncClient:
                 if r.ok:
                     r.kept = packed
         return results
+
+    def _send_by_relay(self, adapter: LoRAAdapter, name, version, checksum, deadline,
+                       alongside=None) -> list[PushResult]:
+        """One push through the relays' chain (one copy on this host's link); the results in
+        the client's order of servers."""
+        hops = relay.chain_of([s.url for s in self.servers], self.relays)
+        results = relay.push_chain(adapter, name, version, hops, self.headers,
+                                   max(deadline - time.monotonic(), 1.0), checksum)
+        if alongside is not None:
+            alongside()
+        by_server = {r.server: r for r in results}
+        return [by_server[s.url] for s in self.servers]
 
     def _auto_choices(self, server: Server) -> list[Transport]:
         """What `auto` tries on `server`, in order; the last always reaches it."""
