@@ -50,9 +50,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRANSPORTS = ("tensors", "broadcast")
+# `one`: tensors to the first server alone, the 1 node x 1 server reference, in the same rounds
+TRANSPORTS = ("tensors", "broadcast", "relay", "one")
 REPLY = "@@multihost "  # the prefix of the trainer's replies on its stdout
-SERVER_PORT = 18000  # every server host has its own port space
+SERVER_PORT = 18000  # every server host has its own port space: its servers from here
+RELAY_PORT = 19100
 # One TCP segment on a 1500-byte MTU link with timestamps: 1448 payload bytes in 1514 bytes
 # (Ethernet 14 + IP 20 + TCP 32 header bytes). tbf counts every segment's headers (a GSO
 # packet's length is taken as the segments it will be), so payload goes at rate / 1.046 at
@@ -98,14 +100,16 @@ def link_copies(samples: list[dict], nbytes: int, hosts: list[str]) -> dict:
                 for i in (0, 1)] for h in hosts}
 
 
-def floors(nbytes: int, rate_bits: float, sizes, workers: int = 1) -> dict:
-    """M -> the floors (ms) of the trainer's uplink: one copy, M copies (tensors), and
-    the copies gloo's binomial tree sends from the root (world = 1 + M x workers)."""
+def floors(nbytes: int, rate_bits: float, sizes, workers: int = 1, per_node: int = 1) -> dict:
+    """M nodes -> the floors (ms) of the trainer's uplink: one copy (a relay chain's), a copy
+    per server (tensors: M x per_node), and the copies gloo's binomial tree sends from the
+    root (world = 1 + M x per_node x workers)."""
+    def tree(m: int) -> int:
+        return binomial_sends(1 + m * per_node * workers)[0]
     return {m: {"one_copy": floor_ms(nbytes, rate_bits),
                 "one_copy_wire": floor_ms(nbytes, rate_bits, WIRE_FACTOR),
-                "m_copies": floor_ms(nbytes, rate_bits, m),
-                "tree_copies": binomial_sends(1 + m * workers)[0],
-                "tree": floor_ms(nbytes, rate_bits, binomial_sends(1 + m * workers)[0])}
+                "m_copies": floor_ms(nbytes, rate_bits, m * per_node),
+                "tree_copies": tree(m), "tree": floor_ms(nbytes, rate_bits, tree(m))}
             for m in sizes}
 
 
@@ -131,7 +135,10 @@ def trainer_main(rank: int) -> int:
         try:
             op = cmd["op"]
             if op == "open":
-                client = LoRASyncClient(cmd["urls"], api_key=API_KEY, timeout=cmd["timeout_s"])
+                client = LoRASyncClient(cmd["urls"], api_key=API_KEY, timeout=cmd["timeout_s"],
+                                        relays=cmd.get("relays"))
+                first = LoRASyncClient(cmd["urls"][:1], api_key=API_KEY,
+                                       timeout=cmd["timeout_s"])
                 workers = [int(i["workers"]) for i in client.info()]
                 t0 = time.perf_counter()
                 if cmd["group"]:
@@ -139,11 +146,16 @@ def trainer_main(rank: int) -> int:
                     grouped = True
                 say(workers=workers, init_s=time.perf_counter() - t0)
             elif op == "push":
+                one = cmd["transport"] == "one"
                 t0 = time.perf_counter()
-                results = client.push(a, cmd["name"], transport=cmd["transport"])
+                results = (first if one else client).push(
+                    a, cmd["name"], transport="tensors" if one else cmd["transport"])
                 s = time.perf_counter() - t0
+                # through a relay each server takes the node's shared copy
+                want = {"one": "tensors", "relay": "shared"}.get(cmd["transport"],
+                                                                 cmd["transport"])
                 bad = [(r.server, repr(r.error)) for r in results
-                       if not r.ok or r.transport != cmd["transport"]]
+                       if not r.ok or r.transport != want]
                 if bad:
                     raise RuntimeError(f"failed pushes: {bad}")
                 say(s=s, server_s=[r.seconds for r in results],
@@ -152,6 +164,7 @@ def trainer_main(rank: int) -> int:
                 if grouped:
                     client.destroy_group()
                 client.close()
+                first.close()
                 client, grouped = None, False
                 say(closed=True)
             elif op == "quit":
@@ -210,10 +223,11 @@ def counters(net, hosts) -> dict:
     return out
 
 
-def wait_ready(log: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+def wait_ready(log: Path, proc: subprocess.Popen, timeout_s: float,
+               mark: str = "fake-engine ready") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if log.exists() and "fake-engine ready" in log.read_text(errors="replace"):
+        if log.exists() and mark in log.read_text(errors="replace"):
             return
         if proc.poll() is not None:
             break
@@ -245,20 +259,30 @@ def run(args) -> dict:
     with contextlib.ExitStack() as stack:
         net = stack.enter_context(netns.HostNet(hosts))
         extra["qdiscs"] = {h: net.shape(h, args.rate) for h in hosts}
-        procs, logs = [], []
-        for h in servers:
-            log = out / f"{h}.log"
+        procs, logs, marks = [], [], []
+        server_env = {**os.environ, **env, "LORA_SYNC_ALLOWED_TRAINERS": net.subnet}
+
+        def start(h: str, label: str, argv: list, mark: str) -> None:
+            log = out / f"{label}.log"
             logs.append(log)
+            marks.append(mark)
             with open(log, "w") as f:
-                procs.append(net.popen(h, [
-                    sys.executable, "-m", "benchmarks.fleet_server", "--host", net.addr(h),
-                    "--port", str(SERVER_PORT), "--max-rank", str(args.rank)], cwd=REPO,
-                    env={**os.environ, **env, "LORA_SYNC_ALLOWED_TRAINERS": net.subnet},
-                    stdout=f, stderr=subprocess.STDOUT))
+                procs.append(net.popen(h, [sys.executable, "-m", *argv], cwd=REPO,
+                                       env=server_env, stdout=f, stderr=subprocess.STDOUT))
+        urls, relays = [], {}
+        for h in servers:
+            for j in range(args.per_node):
+                start(h, f"{h}-{j}", ["benchmarks.fleet_server", "--host", net.addr(h),
+                                      "--port", str(SERVER_PORT + j), "--max-rank",
+                                      str(args.rank)], "fake-engine ready")
+                urls.append(f"http://{net.addr(h)}:{SERVER_PORT + j}")
+                relays[urls[-1]] = f"http://{net.addr(h)}:{RELAY_PORT}"
+            if "relay" in args.transports:  # the node's relay, with the servers' key
+                start(h, f"{h}-relay", ["lora_sync.relay", "--host", net.addr(h), "--port",
+                                        str(RELAY_PORT)], "lora-sync relay ready")
         t_start = time.monotonic()
-        for log, proc in zip(logs, procs):
-            wait_ready(log, proc, max(1.0, 240 - (time.monotonic() - t_start)))
-        urls = [f"http://{net.addr(h)}:{SERVER_PORT}" for h in servers]
+        for log, proc, mark in zip(logs, procs, marks):
+            wait_ready(log, proc, max(1.0, 240 - (time.monotonic() - t_start)), mark)
         extra["servers_start_s"] = time.monotonic() - t_start
         tlog = open(out / "trainer.log", "w")
         stack.callback(tlog.close)
@@ -274,10 +298,12 @@ def run(args) -> dict:
               flush=True)
         # a push's bound: the slowest plausible (every copy from the trainer at a tenth of
         # the rate) plus a minute
-        push_timeout = 60 + 10 * floor_ms(nbytes, rate_bits, n) / 1e3
+        push_timeout = 60 + 10 * floor_ms(nbytes, rate_bits, n * args.per_node) / 1e3
         load0 = os.getloadavg()
         for m in args.sizes:
-            opened = trainer.ask(180, op="open", urls=urls[:m], master=net.addr("trainer"),
+            fleet = urls[:m * args.per_node]
+            opened = trainer.ask(180, op="open", urls=fleet, master=net.addr("trainer"),
+                                 relays={u: relays[u] for u in fleet},
                                  group="broadcast" in args.transports, timeout_s=push_timeout)
             extra.setdefault("workers", {})[str(m)] = opened["workers"]
             for rnd in range(args.warmup + args.reps):
@@ -302,9 +328,10 @@ def run(args) -> dict:
             except subprocess.TimeoutExpired:
                 p.kill()
     workers = max(max(w) for w in extra["workers"].values())
-    fl = floors(nbytes, rate_bits, args.sizes, workers)
+    fl = floors(nbytes, rate_bits, args.sizes, workers, args.per_node)
     # through JSON: the same keys (str) whether read back from results.json or not
-    return json.loads(json.dumps({"rate": args.rate, "rate_bits": rate_bits, "rank": args.rank, "bytes": nbytes,
+    return json.loads(json.dumps({"rate": args.rate, "rate_bits": rate_bits, "rank": args.rank,
+            "bytes": nbytes, "per_node": args.per_node,
             "sizes": args.sizes, "reps": args.reps, "warmup": args.warmup,
             "idle_s": args.idle, "transports": list(args.transports), "hosts": hosts,
             "load_before": load0, "load_after": load1, "cpus": os.cpu_count(),
@@ -333,8 +360,10 @@ def report(result: dict) -> str:
     s = summarize(result)
     curve, copies = s["curve"], s["copies"]
     fl = {m: result["floors"][str(m)] for m in sizes}
-    lines = [f"push cost (ms, median [min-max] of {result['reps']}) against servers on hosts "
-             f"with {result['rate']} links, rank {result['rank']} ({result['bytes'] / 1e6:.1f} "
+    per_node = result.get("per_node", 1)
+    lines = [f"push cost (ms, median [min-max] of {result['reps']}) against M server nodes of "
+             f"{per_node} server(s) each, with {result['rate']} links, rank {result['rank']} "
+             f"({result['bytes'] / 1e6:.1f} "
              f"MB); load {result['load_before'][0]:.2f} -> {result['load_after'][0]:.2f} on "
              f"{result['cpus']} cpus",
              "| transport | " + " | ".join(f"M={m}" for m in sizes) +
@@ -351,9 +380,9 @@ def report(result: dict) -> str:
         f"{fl[m]['one_copy']:.0f}" for m in sizes) + " | | | 1 |")
     lines.append("| floor: one copy with TCP/IP headers (x1.046) | " + " | ".join(
         f"{fl[m]['one_copy_wire']:.0f}" for m in sizes) + " | | | 1 |")
-    lines.append("| floor: M copies (HTTP, one per server) | " + " | ".join(
+    lines.append("| floor: a copy per server (HTTP) | " + " | ".join(
         f"{fl[m]['m_copies']:.0f}" for m in sizes) + f" | {fl[sizes[0]]['one_copy']:.0f} | | "
-        + " / ".join(str(m) for m in sizes) + " |")
+        + " / ".join(str(m * per_node) for m in sizes) + " |")
     lines.append("| floor: gloo's binomial tree from the root | " + " | ".join(
         f"{fl[m]['tree']:.0f}" for m in sizes) + " | | | " +
         " / ".join(str(fl[m]['tree_copies']) for m in sizes) + " |")
@@ -368,7 +397,28 @@ def report(result: dict) -> str:
         world = 1 + sum(result["workers"][str(m)])
         lines.append(f"  gloo binomial tree, world {world}: sends per rank "
                      f"{binomial_sends(world)}")
+    lines.extend(relay_goal(result))
     return "\n".join(lines)
+
+
+RELAY_GOAL = 1.3  # M nodes x K servers through relays, against 1 node x 1 server
+
+
+def relay_goal(result: dict) -> list[str]:
+    """The relay's push to the most nodes over the push to one server (`one`), each round's
+    pair from the same round."""
+    if not {"relay", "one"} <= set(result["transports"]):
+        return []
+    m = max(result["sizes"])
+    pairs = list(zip(result["samples"][str(m)]["relay"], result["samples"][str(m)]["one"]))
+    per_round = sorted(r["s"] / o["s"] for r, o in pairs)
+    relay_ms = statistics.median(r["s"] for r, _ in pairs) * 1e3
+    one_ms = statistics.median(o["s"] for _, o in pairs) * 1e3
+    ratio = relay_ms / one_ms
+    return [f"goal relay: {m} nodes x {result.get('per_node', 1)} servers {relay_ms:.0f} ms "
+            f"against 1 node x 1 server {one_ms:.0f} ms: {ratio:.2f}x [per round "
+            f"{per_round[0]:.2f}-{per_round[-1]:.2f}], goal <= {RELAY_GOAL}x "
+            f"({'met' if ratio <= RELAY_GOAL else 'missed'})"]
 
 
 def main(argv=None) -> int:
@@ -376,7 +426,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--role", choices=("bench", "trainer"), default="bench",
                    help=argparse.SUPPRESS)
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4],
+                   help="numbers of server nodes")
+    p.add_argument("--per-node", type=int, default=1, help="servers on each node")
     p.add_argument("--rate", default="1gbit", help="each link's rate, each way, in tc's bit "
                    "units (1gbit, 100mbit...)")
     p.add_argument("--rank", type=int, default=64)

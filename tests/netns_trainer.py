@@ -2,7 +2,8 @@
 
 Usage: python tests/netns_trainer.py OUT.json CONTROL_DIR MODEL_DIR TRAINER_ADDR URL1 URL2
 
-Pushes over HTTP and by broadcast to two servers on two other hosts, times a rank-64
+Pushes over HTTP, by broadcast and through the relays on the servers' hosts (LORA_SYNC_TEST_RELAYS:
+URL=RELAY_URL,...) to two servers on two other hosts, times a rank-64
 broadcast to one host and to two, then broadcasts while the controller cuts srv2's link
 (files in CONTROL_DIR say when), and forms groups without srv2 and, once its link is back,
 with it again. Writes what it saw to OUT.json (with what each server on the fake engine
@@ -75,6 +76,12 @@ def main(out, control, model_dir, addr, url1, url2) -> None:
                                                               transport="broadcast")]
         report["broadcast_out"] = [greedy(u, "mh") for u in both]
         client.destroy_group()
+    # One copy per node: the trainer sends to srv1's relay, which passes it on to srv2's.
+    relays = dict(r.split("=", 1) for r in os.environ["LORA_SYNC_TEST_RELAYS"].split(","))
+    with LoRASyncClient(both, api_key=API_KEY, timeout=60, relays=relays) as client:
+        report["relay"] = [[r.version, r.transport] for r in client.push(
+            adapter(model_dir, 7), "mh-relay", transport="relay")]
+        report["relay_out"] = [greedy(u, "mh-relay") for u in both]
 
     # The link cut, between the metadata POSTs and the tensors (a hook in the trainer's
     # send: the controller cuts srv2, then the broadcast goes on).

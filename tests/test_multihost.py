@@ -1,6 +1,7 @@
 """Servers on other hosts: a trainer and two servers, each in its own network namespace
 (tests/netns.py), talk over a private test subnet. HTTP tensors and broadcast run across the
-hosts; a link cut in the middle of a broadcast fails that server's push only, and the trainer
+hosts, and through a relay on each server's host (the trainer's link carries one copy); a
+link cut in the middle of a broadcast fails that server's push only, and the trainer
 forms groups without the cut host and, once the link is back, with it again. The trainer runs
 tests/netns_trainer.py inside its namespace; this process controls the bed.
 
@@ -16,6 +17,7 @@ tests/test_broadcast.py's."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -47,6 +49,21 @@ def place(net, host: str, server):
     return server
 
 
+def start_relay(net, host: str, tmp_path) -> tuple[str, object]:
+    """lora_sync.relay on `host`, with the servers' key: (its URL, its process)."""
+    log = tmp_path / f"{host}-relay.log"
+    with open(log, "w") as f:
+        proc = net.popen(host, [sys.executable, "-m", "lora_sync.relay", "--host",
+                                net.addr(host), "--port", "9100"], cwd=REPO,
+                         env={**net.env(), "LORA_SYNC_API_KEY": API_KEY,
+                              "PYTHONPATH": str(REPO)}, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "relay ready" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.1)
+    return f"http://{net.addr(host)}:9100", proc
+
+
 def wait_for(path, timeout_s=180):
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -68,8 +85,10 @@ def test_two_hosts_http_broadcast_and_a_link_cut(model_dir, make_adapter, tmp_pa
             t.start()
         for t in starts:
             t.join(timeout=120)
+        relays = []
         try:
             assert all(s.proc is not None and s.proc.poll() is None for s in servers)
+            relays = [start_relay(net, h, tmp_path) for h in ("srv1", "srv2")]
             control, out = tmp_path / "control", tmp_path / "report.json"
             control.mkdir()
             trainer = net.popen("trainer", [
@@ -77,6 +96,8 @@ def test_two_hosts_http_broadcast_and_a_link_cut(model_dir, make_adapter, tmp_pa
                 str(control), str(model_dir), net.addr("trainer"), *(s.url for s in servers)],
                 cwd=REPO, env={**net.env(), "LORA_SYNC_TEST_KEY": API_KEY,
                                "LORA_SYNC_TEST_REPLY_GRACE_S": str(REPLY_GRACE_S),
+                               "LORA_SYNC_TEST_RELAYS": ",".join(
+                                   f"{s.url}={r}" for s, (r, _) in zip(servers, relays)),
                                "PYTHONPATH": str(REPO)})
             wait_for(control / "posted")
             net.cut("srv2")
@@ -88,6 +109,9 @@ def test_two_hosts_http_broadcast_and_a_link_cut(model_dir, make_adapter, tmp_pa
         finally:
             for s in servers:
                 s.stop()
+            for _, proc in relays:
+                proc.terminate()
+                proc.wait(timeout=20)
     report = json.loads(out.read_text())
     print(f"\nlink cut: {report['cut_error']!r} after {report['cut_error_s']:.1f} s")
     # What each server serves is the weights the trainer pushed (netns_trainer.adapter(seed)
@@ -97,6 +121,10 @@ def test_two_hosts_http_broadcast_and_a_link_cut(model_dir, make_adapter, tmp_pa
     assert report["tensors"] == [1, 1] and report["broadcast"] == [2, 2]
     assert report["tensors_out"] == [tensors_text, tensors_text]
     assert report["broadcast_out"] == [broadcast_text, broadcast_text] != report["tensors_out"]
+    # Through the relays: both servers took the node's shared copy and serve its weights.
+    relay_text = served_text(make_adapter(7))
+    assert report["relay"] == [[1, "shared"], [1, "shared"]]
+    assert report["relay_out"] == [relay_text, relay_text]
     # The cut server's push failed with an error naming it, within its timeout.
     assert report["cut_error"] and servers[1].url.split("//")[1] in report["cut_error"]
     # group timeout + the reply's grace + slack

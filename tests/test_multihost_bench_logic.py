@@ -149,3 +149,16 @@ def test_trainer_replies_skip_other_output_and_fail_on_errors():
             t.read(5)
     finally:
         p.close()
+
+
+def test_the_relay_goal_pairs_each_round():
+    r = _result({"one": {1: [600, 600, 600], 4: [600, 610, 590]},
+                 "relay": {1: [620, 640, 630], 4: [700, 900, 690]}}, sizes=(1, 4))
+    r["per_node"] = 2
+    line = mb.relay_goal(r)[0]
+    # medians 700 / 600; per round 700/600, 900/610, 690/590
+    assert "4 nodes x 2 servers 700 ms against 1 node x 1 server 600 ms: 1.17x" in line
+    assert "[per round 1.17-1.48]" in line and "(met)" in line
+    r["samples"]["4"]["relay"] = [{"s": 0.9, "bytes": {}}] * 3
+    assert mb.relay_goal(r)[0].endswith("(missed)")
+    assert mb.relay_goal(_result({"tensors": {1: [1], 2: [1], 4: [1]}})) == []
