@@ -260,7 +260,9 @@ def run(args) -> dict:
         net = stack.enter_context(netns.HostNet(hosts))
         extra["qdiscs"] = {h: net.shape(h, args.rate) for h in hosts}
         procs, logs, marks = [], [], []
-        server_env = {**os.environ, **env, "LORA_SYNC_ALLOWED_TRAINERS": net.subnet}
+        from .fleet_server import ENV as FLEET_ENV  # the servers' key and body limit
+        server_env = {**os.environ, **env, "LORA_SYNC_ALLOWED_TRAINERS": net.subnet,
+                      **FLEET_ENV}
 
         def start(h: str, label: str, argv: list, mark: str) -> None:
             log = out / f"{label}.log"

@@ -29,20 +29,24 @@ from __future__ import annotations
 import argparse
 import hmac
 import json
+import os
+import socket
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import http, naming, wire
-from .adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, LoRAAdapter, \
-    parse_config
+from . import http, naming
+from .adapter import META_NAME, META_VERSION, LoRAAdapter
 from .api import API_KEY_ENV
 from .errors import BadRequest, ClientDisconnected, LoRASyncError, PayloadTooLarge, TimedOut, \
     TooBusy, Unauthorized
-from .transports.base import PushResult, with_protocol
+from .transports import TRANSPORTS
+from .transports.base import PushResult, SendContext, Server, with_protocol
+from .transports.shared_copy import sealed_copy
+from .transports.shm.memfd import read_header
 
 RELAY_PATH = "/lora_sync_relay"
 CHAIN_HEADER = "X-LoRA-Sync-Relay-Chain"
@@ -51,7 +55,11 @@ MAX_SERVERS = 256            # per hop
 MAX_CHAIN_BYTES = 256 << 10  # the chain header
 MAX_CONNECTIONS = 8
 IDLE_S = 30.0
-PIECE = 1 << 20              # forwarded as it lands: a hop's pipeline delay is one piece
+PIECE = 1 << 20              # the most forwarded at once (what has landed is, at once)
+# The forward's unsent backlog in the kernel, at most: a relay whose send queue filled to
+# tcp_wmem's few MB would hold every byte that long before passing it on, on every hop.
+# The bytes wait in the relay's own buffer instead; the window in flight is not limited.
+NOTSENT_LOWAT = (socket.IPPROTO_TCP, getattr(socket, "TCP_NOTSENT_LOWAT", 25), 128 << 10)
 
 
 @dataclass(frozen=True)
@@ -135,22 +143,26 @@ def push_chain(adapter: LoRAAdapter, name: str, version: int, hops: list[Hop], h
 
 # -- the relay --------------------------------------------------------------------------------
 class _Body:
-    """The request body read into the relay's buffer, a piece at a time; `pieces()` yields
-    each as it lands (what the next hop is sent), `rest()` reads what nobody consumed."""
+    """The request body, a piece at a time through one reused buffer into the node's shared
+    copy (`fd`); `pieces()` yields each piece as it lands (what the next hop is sent), `rest()`
+    reads what nobody consumed."""
 
-    def __init__(self, rfile, buf: memoryview, length: int):
-        self.rfile, self.buf, self.length, self.got = rfile, buf, length, 0
+    def __init__(self, rfile, piece: memoryview, fd: int, length: int):
+        self.rfile, self.piece, self.fd, self.length, self.got = rfile, piece, fd, length, 0
         self.done = threading.Event()
         self.failed: LoRASyncError | None = None
 
     def pieces(self):
         try:
             while self.got < self.length:
-                n = self.rfile.readinto(self.buf[self.got:min(self.length, self.got + PIECE)])
+                # what has arrived, up to a piece: passed on at once, not once a piece is full
+                n = self.rfile.readinto1(self.piece[:min(len(self.piece),
+                                                         self.length - self.got)])
                 if not n:
                     raise ClientDisconnected(f"the body ended after {self.got} of "
                                              f"{self.length} bytes")
-                yield self.buf[self.got:self.got + n]
+                _pwrite(self.fd, self.piece[:n], self.got)
+                yield self.piece[:n]  # sent before the next read reuses the buffer
                 self.got += n
         except OSError as e:  # the idle timeout, a reset
             self.failed = ClientDisconnected(f"the body stopped after {self.got} of "
@@ -169,8 +181,16 @@ class _Body:
             raise self.failed
 
 
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
 class Relay:
-    """Serves RELAY_PATH: one push at a time, received into one reused buffer."""
+    """Serves RELAY_PATH: one push at a time. The body goes straight into this node's shared
+    copy (a memfd, sealed once it is in: transports/shared_copy.py) as it is passed on, so
+    the node's servers map it without another copy."""
 
     def __init__(self, api_key: str, max_body_bytes: int, push_timeout_s: float = 600.0):
         if not api_key:
@@ -178,7 +198,7 @@ class Relay:
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.push_timeout_s = push_timeout_s
         self._one = threading.Lock()
-        self._buf = bytearray()
+        self._piece = memoryview(bytearray(PIECE))
 
     def serve(self, path: str, headers, rfile) -> dict:
         if path != RELAY_PATH:
@@ -205,27 +225,32 @@ class Relay:
 
     def _push(self, headers, rfile, length: int, hops: list[Hop]) -> list[PushResult]:
         deadline = time.monotonic() + self.push_timeout_s
-        if len(self._buf) < length:  # kept between pushes: fresh memory costs on every push
-            self._buf = bytearray(length)
-        body = _Body(rfile, memoryview(self._buf), length)
+        downstream = None
         forward = {"Authorization": headers["Authorization"],
                    CHAIN_HEADER: json.dumps([h.to_json() for h in hops[1:]])}
-        downstream = self._forward(body, hops[1:], forward, deadline)
-        # The next hop's thread reads the body as it forwards it; if that hop fails, the
-        # rest is read here (nobody reads it while the thread still does).
-        while downstream is not None and not body.done.wait(0.05) and not downstream.done():
-            if time.monotonic() > deadline:
-                raise TimedOut(f"the body was not in within {self.push_timeout_s:g} s")
-        body.rest()
-        meta, tensors = wire.decode(body.buf[:length])
-        version = naming.parse_version(meta.get(META_VERSION))
-        if version is None:
-            raise BadRequest("a push through a relay names its version (metadata "
-                             f"{META_VERSION})")
-        adapter = LoRAAdapter(tensors, parse_config(meta.get(META_CONFIG)))
-        local = self._fan_out(adapter, naming.check_name(meta.get(META_NAME)), version,
-                              hops[0].servers, headers["Authorization"],
-                              META_CHECKSUM in meta, deadline)
+
+        def receive(fd: int) -> None:
+            nonlocal downstream
+            body = _Body(rfile, self._piece, fd, length)
+            downstream = self._forward(body, hops[1:], forward, deadline)
+            # The next hop's thread reads the body as it forwards it; if that hop fails,
+            # the rest is read here (nobody reads it while the thread still does).
+            while downstream is not None and not body.done.wait(0.05) and \
+                    not downstream.done():
+                if time.monotonic() > deadline:
+                    raise TimedOut(f"the body was not in within {self.push_timeout_s:g} s")
+            body.rest()
+        shared = sealed_copy(length, receive)
+        try:
+            meta = read_header(shared.fd, length).metadata
+            version = naming.parse_version(meta.get(META_VERSION))
+            if version is None:
+                raise BadRequest("a push through a relay names its version (metadata "
+                                 f"{META_VERSION})")
+            local = self._fan_out(shared, naming.check_name(meta.get(META_NAME)), version,
+                                  hops[0].servers, headers["Authorization"], deadline)
+        finally:
+            shared.close()  # the servers that took it hold their own descriptors
         return local + self._results_downstream(downstream, hops[1:], version, deadline)
 
     @staticmethod
@@ -240,6 +265,7 @@ class Relay:
                 done.set_result(http.call(
                     "POST", hops[0].relay + RELAY_PATH, chunks=body.pieces(),
                     content_length=body.length, timeout=max(deadline - time.monotonic(), 1),
+                    socket_options=[NOTSENT_LOWAT],
                     headers={**with_protocol(headers),
                              "Content-Type": "application/octet-stream"})[0])
             except BaseException as e:  # noqa: BLE001 - every hop's failure is its servers'
@@ -248,15 +274,27 @@ class Relay:
         return done
 
     @staticmethod
-    def _fan_out(adapter, name: str, version: int, servers, authorization: str,
-                 checksum: bool, deadline: float) -> list[PushResult]:
-        """This node's servers, by one sealed copy they all map (transport `shared`)."""
-        from .trainer.client import LoRASyncClient
-        key = authorization.removeprefix("Bearer ")
-        with LoRASyncClient(list(servers), api_key=key, remember=False, lease_ahead=False,
-                            timeout=max(deadline - time.monotonic(), 1)) as client:
-            return client.push(adapter, name, version=version, transport="shared",
-                               checksum=checksum, on_error="skip")
+    def _fan_out(shared, name: str, version: int, servers, authorization: str,
+                 deadline: float) -> list[PushResult]:
+        """This node's servers, each told of the sealed copy at once (transport `shared`);
+        each server's verdict is its own."""
+        transport = TRANSPORTS["shared"]
+        ctx = SendContext(name, version, False, with_protocol({"Authorization": authorization}),
+                          max(deadline - time.monotonic(), 1), "lora-sync-relay")
+
+        def one(url: str) -> PushResult:
+            t0 = time.perf_counter()
+            try:
+                result = transport.send(shared, Server(url), ctx)
+                if result is None:
+                    raise LoRASyncError(f"{url} cannot map this relay's copy (another host "
+                                        "or PID namespace): list it under its own node's "
+                                        "relay", code="shared_unreachable", status=400)
+                return result
+            except LoRASyncError as e:
+                return PushResult.failed(url, version, e, time.perf_counter() - t0)
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            return list(pool.map(one, servers))
 
     @staticmethod
     def _results_downstream(downstream, hops: list[Hop], version: int,

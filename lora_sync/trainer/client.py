@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import replace
 
-from .. import http, naming, relay, replies
+from .. import http, naming, replies
 from . import sharded
 from ..adapter import LoRAAdapter
 from ..api import ADAPTERS_ROUTE, ALIAS_ROUTE, INFO_ROUTE, RETIRE_ROUTE
@@ -293,6 +293,7 @@ class LoRASyncClient:
                        alongside=None) -> list[PushResult]:
         """One push through the relays' chain (one copy on this host's link); the results in
         the client's order of servers."""
+        from .. import relay  # here: `python -m lora_sync.relay` imports this module first
         hops = relay.chain_of([s.url for s in self.servers], self.relays)
         results = relay.push_chain(adapter, name, version, hops, self.headers,
                                    max(deadline - time.monotonic(), 1.0), checksum)

@@ -135,16 +135,26 @@ def write_sealed(chunks: list) -> SharedFile:
     process included) can write, resize, map it writable or unseal it; no server is told of
     it before. Host memory goes in with `pwritev`; GPU tensors through a mapping, unmapped
     before the seal (a writable mapping would stop it: EBUSY)."""
-    t0 = time.perf_counter()
-    claim = secrets.token_hex(32)
     nbytes = total_bytes(chunks)
-    fd = os.memfd_create(memfd_name(claim), os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)
+
+    def fill(fd: int) -> None:
         if any(on_device(c) for c in chunks):
             write_mapped(pages.map_filled(fd, nbytes), chunks)  # unmaps before returning
         else:
             _pwrite_all(fd, chunks)
+    return sealed_copy(nbytes, fill)
+
+
+def sealed_copy(nbytes: int, fill) -> SharedFile:
+    """A new shared copy of `nbytes`: `fill(fd)` writes it (by pwrite, or through a mapping
+    it unmaps before returning), then it is sealed with all four seals, before any server is
+    told of it. A relay fills one with a body as it arrives (lora_sync/relay.py)."""
+    t0 = time.perf_counter()
+    claim = secrets.token_hex(32)
+    fd = os.memfd_create(memfd_name(claim), os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        fill(fd)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
             raise OSError(errno.EPERM, "the shared copy did not take its seals")
