@@ -19,8 +19,14 @@ it opens a client to M servers (and a broadcast group, master = the trainer's ad
 each round pushes the same adapter (rank 64, bf16, all linear modules, ~70 MB:
 fleet_bench.adapter) with every transport, the order rotated per round, after an idle pause:
 
-  tensors    the body over HTTP to each server: the trainer's uplink carries M copies
+  tensors    the body over HTTP to each server: the trainer's uplink carries a copy each
   broadcast  one gloo group of the trainer and every server's worker
+  relay      one copy per node: the trainer sends to the first node's relay (lora_sync/relay.py,
+             one per node), which passes it on and shares it with its node's servers
+  one        tensors to the first server alone: the 1 node x 1 server reference
+
+`--per-node K` puts K servers on each node (ports SERVER_PORT + i) and, for `relay`, a relay
+beside them; M counts nodes.
 
 It prints median [min-max] ms per M, push(M)/push(1), the cost per server beyond the first,
 the copies of the adapter each link carried (bytes counted on the veths / adapter bytes:
@@ -295,7 +301,8 @@ def run(args) -> dict:
         trainer = Trainer(proc)
         first = trainer.read(120)
         nbytes = first["bytes"]
-        print(f"bed up: {n} server(s) in {extra['servers_start_s']:.1f} s, links at "
+        print(f"bed up: {n} node(s) x {args.per_node} server(s) in "
+              f"{extra['servers_start_s']:.1f} s, links at "
               f"{args.rate}; adapter {nbytes / 1e6:.1f} MB ({first['tensors']} tensors)",
               flush=True)
         # a push's bound: the slowest plausible (every copy from the trainer at a tenth of
@@ -318,7 +325,7 @@ def run(args) -> dict:
                     if rnd >= args.warmup:
                         samples[m][t].append({**reply, "bytes": got})
             trainer.ask(120, op="close")
-            print(f"  {m} server(s) done", flush=True)
+            print(f"  {m} node(s) done", flush=True)
         load1 = os.getloadavg()
         trainer.ask(30, op="quit")
         proc.wait(timeout=30)

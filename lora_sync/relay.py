@@ -49,6 +49,7 @@ from .transports.shared_copy import sealed_copy
 from .transports.shm.memfd import read_header
 
 RELAY_PATH = "/lora_sync_relay"
+MAX_BODY_ENV = "LORA_SYNC_MAX_BODY_MB"
 CHAIN_HEADER = "X-LoRA-Sync-Relay-Chain"
 MAX_HOPS = 64
 MAX_SERVERS = 256            # per hop
@@ -371,11 +372,15 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=9100)
     p.add_argument("--push-timeout-s", type=float, default=600.0)
     args = p.parse_args(argv)
-    from .server.settings import BY_ENV, read
-    body = BY_ENV["LORA_SYNC_MAX_BODY_MB"]
-    max_body = read(body.env) or body.default * body.scale
-    server = RelayServer((args.host, args.port),
-                         Relay(read(API_KEY_ENV) or "", max_body, args.push_timeout_s))
+    raw = os.environ.get(MAX_BODY_ENV) or "2048"  # the servers' own setting and default
+    try:
+        max_body = int(float(raw) * (1 << 20))
+    except ValueError:
+        max_body = 0
+    if not 0 < max_body <= 1 << 40:
+        raise SystemExit(f"{MAX_BODY_ENV}={raw!r}: a number of MB, more than 0")
+    server = RelayServer((args.host, args.port), Relay(os.environ.get(API_KEY_ENV, ""),
+                                                       max_body, args.push_timeout_s))
     print(f"lora-sync relay ready {server.url}", flush=True)
     try:
         server.serve_forever()
