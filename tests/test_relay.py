@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -21,6 +22,7 @@ from .engine_fakes import FakeEngineServer, served_text
 from .helpers import AUTH
 
 KEY = AUTH["Authorization"].removeprefix("Bearer ")
+AUTH_LINE = f"Authorization: {AUTH['Authorization']}"
 
 
 class CountingRelay(Relay):
@@ -170,3 +172,43 @@ def test_each_server_keeps_its_own_verdict(nodes, make_adapter):
         assert {r.error.code for r in results} == {"version_conflict"}
         assert text(c, "verdict", 2) == served_text(make_adapter(1405))
         c.retire("verdict")
+
+
+def test_a_stalled_body_lets_go_of_the_relay(nodes, make_adapter, monkeypatch):
+    """A caller that sends a head and part of a body, then nothing: the relay drops it after
+    its idle bound, nothing reaches a server, and the next push goes through."""
+    import socket
+
+    from lora_sync import relay as relay_module
+    monkeypatch.setattr(relay_module._Handler, "timeout", 1.0)
+    relay, servers = nodes[0]
+    chain = json.dumps([{"relay": relay.url, "servers": [servers[0].url]}])
+    host, port = relay.server_address[:2]
+    before = servers[0].served()
+    with socket.create_connection((host, port), timeout=10) as stalled:
+        stalled.sendall((f"POST {RELAY_PATH} HTTP/1.1\r\nHost: x\r\n{AUTH_LINE}\r\n"
+                         f"Content-Length: 100000\r\n{CHAIN_HEADER}: {chain}\r\n\r\n").encode()
+                        + b"x" * 1000)
+        reply = stalled.recv(4096)  # the relay's answer once it gave up on the body
+        assert b" 400 " in reply.split(b"\r\n")[0] and b"the body stopped after" in reply, reply
+    assert servers[0].served() == before
+    with client_for(nodes) as c:
+        assert c.push(make_adapter(1407), "after-stall", transport="relay")[0].ok
+        c.retire("after-stall")
+
+
+def test_connections_beyond_the_bound_are_closed(nodes):
+    import socket
+
+    from lora_sync.relay import MAX_CONNECTIONS
+    relay = nodes[1][0]
+    host, port = relay.server_address[:2]
+    held = [socket.create_connection((host, port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.5)  # the relay took each one
+        with socket.create_connection((host, port), timeout=10) as extra:
+            extra.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            assert extra.recv(100) == b""  # closed unanswered
+    finally:
+        for s in held:
+            s.close()
