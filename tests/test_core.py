@@ -764,6 +764,12 @@ def test_benchmark_ratios_are_taken_per_round_against_that_rounds_disk_sync():
     samples[3]["first_completion_s"] = samples[5]["first_completion_s"] = 2.0
     [shm] = [r for r in summarize(samples) if r["transport"] == "shm"]
     assert shm["first_vs_disk_s"]["slower"] == 2 and not shm["first_vs_disk_s"]["met"]
+    # The part outside the engine (engine_seconds' split), paired the same way
+    for s, outside in zip(samples, [9, 9, 0.004, 0.003, 0.004, 0.005, 0.003, 0.003]):
+        s["first_outside_s"] = outside
+    [shm] = [r for r in summarize(samples) if r["transport"] == "shm"]
+    assert shm["first_vs_disk_s"]["outside_engine"] == pytest.approx(
+        {"median": 0.0, "min": -0.001, "max": 0.001})
 
 
 def test_a_phase_some_pushes_skip_counts_zero_in_their_median():
