@@ -114,19 +114,24 @@ def cluster(model_dir):
             nodes.shutdown()
 
 
-def wait_restarted(ray, actor, timeout_s: float = 600.0) -> None:
-    """Until the restarted actor's server serves: calls made while Ray restarts it fail
-    (ActorUnavailableError) and are made again, within `timeout_s`."""
+def wait_restarted(ray, actor, before_pid: int, timeout_s: float = 600.0) -> int:
+    """Until the actor answers from a new process (Ray restarted it) and its server serves;
+    returns the new pid. ray.kill returns before the old process is gone, so a call may still
+    reach it, and calls made while Ray restarts it fail (ActorUnavailableError): both are made
+    again, within `timeout_s`."""
     from ray.exceptions import ActorUnavailableError
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            ray.get(actor.ready.remote(), timeout=max(deadline - time.monotonic(), 1))
-            return
+            pid = ray.get(actor.pid.remote(), timeout=max(deadline - time.monotonic(), 1))
+            if pid != before_pid:
+                ray.get(actor.ready.remote(), timeout=max(deadline - time.monotonic(), 1))
+                return pid
         except ActorUnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the actor did not come back within {timeout_s} s")
+        time.sleep(1.0)
 
 
 @pytest.mark.parametrize("transport", ["tensors", "broadcast"])
@@ -145,8 +150,7 @@ def test_a_server_actor_ray_restarts_gets_its_versions_back(cluster, model_dir):
     ray.get(trainer.push.remote(1011, "ray-restart", "tensors"))
     before = ray.get(servers[1].pid.remote())
     ray.kill(servers[1], no_restart=False)  # a crash: Ray restarts the actor
-    wait_restarted(ray, servers[1])
-    assert ray.get(servers[1].pid.remote()) != before
+    wait_restarted(ray, servers[1], before)  # answers from a new process (or times out)
     assert ray.get(trainer.newest.remote("ray-restart")) == [1, None]  # it lost them
     ray.get(trainer.resync.remote())
     assert ray.get(trainer.newest.remote("ray-restart")) == [1, 1]
