@@ -10,6 +10,7 @@ import math
 import os
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -683,9 +684,34 @@ def _check_vocab_layer(key: str, module: str, model: ModelSpec) -> None:
                          code="unsupported_module")
 
 
+# The verdicts of the last few (tensor specs, config, model) a server or client checked:
+# a trainer pushes the same layout every step, and checking it again costs microseconds
+# per tensor (10,000+ tensors for an MoE adapter). A verdict depends on nothing else; a
+# refusal is not kept (it is raised again, in full, each time).
+_VERDICTS: "OrderedDict[tuple, tuple[ModelSpec, str]]" = OrderedDict()
+VERDICTS_KEPT = 8
+
+
 def check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) -> dict:
     """Checks that `model` can serve an adapter with these tensors and config, from the header
-    alone (before any tensor data is read). Returns the normalized config."""
+    alone (before any tensor data is read). Returns the normalized config (the caller's own
+    copy)."""
+    try:
+        key = (tuple(specs), json.dumps(config, sort_keys=True), id(model))
+    except (TypeError, ValueError):  # a config JSON cannot hold: checked in full, refused
+        return _check_adapter(specs, config, model)
+    kept = _VERDICTS.get(key)
+    if kept is not None and kept[0] is model:  # the very model, not one at a reused id
+        _VERDICTS.move_to_end(key)
+        return json.loads(kept[1])
+    cfg = _check_adapter(specs, config, model)
+    _VERDICTS[key] = (model, json.dumps(cfg))
+    while len(_VERDICTS) > VERDICTS_KEPT:
+        _VERDICTS.popitem(last=False)
+    return cfg
+
+
+def _check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec) -> dict:
     specs = [s for s in specs if not is_base_copy(s.name)]  # read by no engine
     if not specs:
         raise BadAdapter("the adapter has no tensors", code="empty_adapter")

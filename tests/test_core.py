@@ -923,3 +923,37 @@ def test_docs_protocol_md_lists_every_error_code():
     listed = set(re.findall(r"`([a-z_]+)`", section))
     codes = {c.value for c in ErrorCode}
     assert codes - listed == set(), "add these to docs/protocol.md's error section"
+
+
+def test_a_kept_verdict_is_the_same_verdict():
+    """check_adapter keeps the verdicts of the layouts it checked last (a trainer pushes the
+    same one every step): the same (specs, config, model) gets an equal config of its own;
+    any other config, layout or model is checked in full, and a refusal is never kept."""
+    import copy
+
+    from lora_sync import adapter as adapter_module
+    from lora_sync import check_adapter
+    from lora_sync.errors import BadAdapter
+
+    from .engine_fakes import tiny_model_spec
+    model = tiny_model_spec()
+    specs = [wire.TensorSpec("model.layers.0.self_attn.q_proj.lora_A.weight", "F32", (8, 128)),
+             wire.TensorSpec("model.layers.0.self_attn.q_proj.lora_B.weight", "F32", (128, 8))]
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    adapter_module._VERDICTS.clear()
+    first = check_adapter(specs, config, model)
+    assert len(adapter_module._VERDICTS) == 1
+    again = check_adapter(list(specs), copy.deepcopy(config), model)
+    assert again == first and again is not first
+    again["r"] = 99  # the caller's own copy
+    assert check_adapter(specs, config, model) == first
+    with pytest.raises(BadAdapter):  # another config: checked in full
+        check_adapter(specs, {**config, "r": 4}, model)
+    with pytest.raises(BadAdapter):  # another layout: checked in full
+        check_adapter([specs[0]], config, model)
+    with pytest.raises(BadAdapter):  # a refusal is raised again, never kept
+        check_adapter([specs[0]], config, model)
+    assert len(adapter_module._VERDICTS) == 1
+    small = tiny_model_spec(max_rank=4)  # another model: its own verdict (rank 8 > 4)
+    with pytest.raises(BadAdapter):
+        check_adapter(specs, config, small)
