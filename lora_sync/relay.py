@@ -15,7 +15,8 @@ time per hop, not one copy per hop.
 
 `POST /lora_sync_relay`: the body is the tensors transport's (a safetensors file whose
 metadata carries name, version and config: docs/wire_format.md); the header CHAIN_HEADER is
-the chain from this relay on, as JSON [{"relay": URL, "servers": [URL, ...]}, ...]. The reply
+the chain from this relay on, as JSON [{"relay": URL, "servers": [{"url": URL, "engine":
+"vllm" | "sglang"}, ...]}, ...]. The reply
 is {"results": [PushResult.to_json(), ...]}, one per server of the chain, in its order.
 
 Every server still judges the push for itself (its key, its checks, its verdict); the relay
@@ -66,10 +67,11 @@ NOTSENT_LOWAT = (socket.IPPROTO_TCP, getattr(socket, "TCP_NOTSENT_LOWAT", 25), 1
 @dataclass(frozen=True)
 class Hop:
     relay: str               # the relay's URL
-    servers: tuple           # the server URLs on its node
+    servers: tuple           # the servers on its node (Server: URL and engine)
 
     def to_json(self) -> dict:
-        return {"relay": self.relay, "servers": list(self.servers)}
+        return {"relay": self.relay,
+                "servers": [{"url": s.url, "engine": s.engine} for s in self.servers]}
 
 
 def parse_chain(raw: str | None) -> list[Hop]:
@@ -85,13 +87,14 @@ def parse_chain(raw: str | None) -> list[Hop]:
     chain = []
     for i, hop in enumerate(hops):
         servers = hop.get("servers") if isinstance(hop, dict) else None
-        if not isinstance(servers, list) or not 1 <= len(servers) <= MAX_SERVERS:
+        if not isinstance(servers, list) or not 1 <= len(servers) <= MAX_SERVERS or \
+                not all(isinstance(s, dict) for s in servers):
             raise BadRequest(f"hop {i} of {CHAIN_HEADER}: 'servers' must list 1 to "
-                             f"{MAX_SERVERS} server URLs")
+                             f"{MAX_SERVERS} servers, each {{\"url\", \"engine\"}}")
         try:
             chain.append(Hop(http.check_url(hop.get("relay")),
-                             tuple(http.check_url(s) for s in servers)))
-        except ValueError as e:
+                             tuple(Server(s.get("url"), s.get("engine")) for s in servers)))
+        except (ValueError, TypeError) as e:
             raise BadRequest(f"hop {i} of {CHAIN_HEADER}: {e}") from None
     return chain
 
@@ -99,7 +102,7 @@ def parse_chain(raw: str | None) -> list[Hop]:
 def results_of(reply: dict, hops: list[Hop], version: int, where: str) -> list[PushResult]:
     """One PushResult per server of `hops`, from a relay's reply; a server the reply leaves
     out is that server's failure (`bad_reply`)."""
-    expected = [s for h in hops for s in h.servers]
+    expected = [s.url for h in hops for s in h.servers]
     got = {}
     for item in reply.get("results", []) if isinstance(reply.get("results"), list) else []:
         try:
@@ -114,16 +117,17 @@ def results_of(reply: dict, hops: list[Hop], version: int, where: str) -> list[P
 
 
 # -- the trainer's side ---------------------------------------------------------------------
-def chain_of(servers: list[str], relays: dict) -> list[Hop]:
-    """The chain for `servers`: one hop per relay, in the order its first server comes, each
-    with the servers on its node. A server without a relay is the caller's error."""
-    missing = [s for s in servers if s not in relays]
+def chain_of(servers: list[Server], relays: dict) -> list[Hop]:
+    """The chain for `servers`: one hop per relay (`relays`: server URL -> its node's relay),
+    in the order its first server comes, each with the servers on its node. A server without
+    a relay is the caller's error."""
+    missing = [s.url for s in servers if s.url not in relays]
     if missing:
         raise ValueError(f"transport 'relay' needs a relay for every server; none for "
                          f"{missing[:3]}")
-    hops: dict[str, list[str]] = {}
+    hops: dict[str, list[Server]] = {}
     for s in servers:
-        hops.setdefault(http.check_url(relays[s]), []).append(s)
+        hops.setdefault(http.check_url(relays[s.url]), []).append(s)
     return [Hop(r, tuple(ss)) for r, ss in hops.items()]
 
 
@@ -138,7 +142,7 @@ def push_chain(adapter: LoRAAdapter, name: str, version: int, hops: list[Hop], h
                                  "application/octet-stream",
                                  CHAIN_HEADER: json.dumps([h.to_json() for h in hops])})
     except LoRASyncError as e:
-        return [PushResult.failed(s, version, e, 0.0) for h in hops for s in h.servers]
+        return [PushResult.failed(s.url, version, e, 0.0) for h in hops for s in h.servers]
     return results_of(reply, hops, version, url)
 
 
@@ -283,17 +287,17 @@ class Relay:
         ctx = SendContext(name, version, False, with_protocol({"Authorization": authorization}),
                           max(deadline - time.monotonic(), 1), "lora-sync-relay")
 
-        def one(url: str) -> PushResult:
+        def one(server: Server) -> PushResult:
             t0 = time.perf_counter()
             try:
-                result = transport.send(shared, Server(url), ctx)
+                result = transport.send(shared, server, ctx)
                 if result is None:
-                    raise LoRASyncError(f"{url} cannot map this relay's copy (another host "
-                                        "or PID namespace): list it under its own node's "
-                                        "relay", code="shared_unreachable", status=400)
+                    raise LoRASyncError(f"{server.url} cannot map this relay's copy (another "
+                                        "host or PID namespace): list it under its own "
+                                        "node's relay", code="shared_unreachable", status=400)
                 return result
             except LoRASyncError as e:
-                return PushResult.failed(url, version, e, time.perf_counter() - t0)
+                return PushResult.failed(server.url, version, e, time.perf_counter() - t0)
         with ThreadPoolExecutor(max_workers=len(servers)) as pool:
             return list(pool.map(one, servers))
 
@@ -306,11 +310,12 @@ class Relay:
         try:
             reply = downstream.result(timeout=max(deadline - time.monotonic(), 1) + 5)
         except LoRASyncError as e:
-            return [PushResult.failed(s, version, e, 0.0) for h in hops for s in h.servers]
+            return [PushResult.failed(s.url, version, e, 0.0) for h in hops for s in h.servers]
         except Exception as e:  # noqa: BLE001 - the thread's own failure, or a timeout
             err = LoRASyncError(f"{where}: {type(e).__name__}: {e}", code="unreachable",
                                 status=503)
-            return [PushResult.failed(s, version, err, 0.0) for h in hops for s in h.servers]
+            return [PushResult.failed(s.url, version, err, 0.0) for h in hops
+                    for s in h.servers]
         return results_of(reply, hops, version, where)
 
 

@@ -22,6 +22,12 @@ from .engine_fakes import FakeEngineServer, served_text
 from .helpers import AUTH
 
 KEY = AUTH["Authorization"].removeprefix("Bearer ")
+ONE = {"url": "http://127.0.0.1:1", "engine": "vllm"}
+
+
+def served_by(server) -> dict:
+    """A chain's entry for a fake server (whose routes are vLLM's)."""
+    return {"url": server.url, "engine": "vllm"}
 AUTH_LINE = f"Authorization: {AUTH['Authorization']}"
 
 
@@ -86,7 +92,7 @@ def test_one_copy_per_node_reaches_every_server(nodes, make_adapter):
 
 def test_a_relay_wants_the_key_before_it_reads_a_byte(nodes, make_adapter):
     relay = nodes[0][0]
-    chain = json.dumps([{"relay": relay.url, "servers": [nodes[0][1][0].url]}])
+    chain = json.dumps([{"relay": relay.url, "servers": [served_by(nodes[0][1][0])]}])
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         status, reply, _ = http.request("POST", relay.url + RELAY_PATH, chunks=[b"x" * 64],
                                         headers={**headers, CHAIN_HEADER: chain}, timeout=10)
@@ -102,10 +108,13 @@ def test_a_relay_wants_the_key_before_it_reads_a_byte(nodes, make_adapter):
     ("[", "not JSON"),
     ("[]", "1 to"),
     (json.dumps([{"relay": "http://127.0.0.1:1", "servers": []}]), "'servers'"),
-    (json.dumps([{"relay": "file:///etc/passwd", "servers": ["http://127.0.0.1:1"]}]),
+    (json.dumps([{"relay": "http://127.0.0.1:1", "servers": ["http://127.0.0.1:1"]}]),
+     "'servers'"),
+    (json.dumps([{"relay": "file:///etc/passwd", "servers": [ONE]}]), "hop 0"),
+    (json.dumps([{"relay": "http://127.0.0.1:1", "servers": [{**ONE, "engine": "x"}]}]),
      "hop 0"),
-    (json.dumps([{"relay": "http://127.0.0.1:1", "servers": ["http://127.0.0.1:1"]}] *
-                (MAX_HOPS + 1)), "1 to"),
+    (json.dumps([{"relay": "http://127.0.0.1:1", "servers": [ONE]}] * (MAX_HOPS + 1)),
+     "1 to"),
 ])
 def test_a_malformed_chain_is_refused_by_name(nodes, chain, why):
     relay = nodes[0][0]
@@ -118,7 +127,7 @@ def test_a_malformed_chain_is_refused_by_name(nodes, chain, why):
 def test_a_body_above_the_limit_is_refused_before_it_is_read(nodes):
     small = start_relay(max_body=1024)
     try:
-        chain = json.dumps([{"relay": small.url, "servers": [nodes[0][1][0].url]}])
+        chain = json.dumps([{"relay": small.url, "servers": [served_by(nodes[0][1][0])]}])
         status, reply, _ = http.request("POST", small.url + RELAY_PATH,
                                         chunks=[b"x" * 4096],
                                         headers={**AUTH, CHAIN_HEADER: chain}, timeout=10)
@@ -133,7 +142,7 @@ def test_one_push_at_a_time(nodes):
     relay = nodes[0][0]
     assert relay.relay._one.acquire(timeout=5)  # a push in flight
     try:
-        chain = json.dumps([{"relay": relay.url, "servers": [nodes[0][1][0].url]}])
+        chain = json.dumps([{"relay": relay.url, "servers": [served_by(nodes[0][1][0])]}])
         status, reply, _ = http.request("POST", relay.url + RELAY_PATH, chunks=[b"x" * 64],
                                         headers={**AUTH, CHAIN_HEADER: chain}, timeout=10)
         assert status == 429, reply
@@ -182,7 +191,7 @@ def test_a_stalled_body_lets_go_of_the_relay(nodes, make_adapter, monkeypatch):
     from lora_sync import relay as relay_module
     monkeypatch.setattr(relay_module._Handler, "timeout", 1.0)
     relay, servers = nodes[0]
-    chain = json.dumps([{"relay": relay.url, "servers": [servers[0].url]}])
+    chain = json.dumps([{"relay": relay.url, "servers": [served_by(servers[0])]}])
     host, port = relay.server_address[:2]
     before = servers[0].served()
     with socket.create_connection((host, port), timeout=10) as stalled:
@@ -212,3 +221,26 @@ def test_connections_beyond_the_bound_are_closed(nodes):
     finally:
         for s in held:
             s.close()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_through_a_relay_a_real_engine_serves_pefts_tokens(engine, vllm, sglang, model_dir):
+    """A relay in front of the session's real server (its node of one): the version lands
+    through the relay's sealed copy and serves PEFT's own greedy tokens."""
+    from .conftest import API_KEY
+    from .helpers import PROMPT
+    from .peft_oracle import oracle, server_greedy
+    server = {"vllm": vllm, "sglang": sglang}[engine]
+    relay = RelayServer(("127.0.0.1", 0), Relay(API_KEY, 8 << 20, 120.0))
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    adapter, want = oracle(model_dir, 1411, PROMPT, 12)
+    try:
+        with LoRASyncClient(server.url, engine=engine, api_key=API_KEY, timeout=120,
+                            relays={server.url: relay.url}) as c:
+            [r] = c.push(adapter, "relayed-real", transport="relay")
+            assert r.ok and r.transport == "shared"
+            assert server_greedy(c, "relayed-real", PROMPT, 12) == want
+            c.retire("relayed-real")
+    finally:
+        relay.shutdown()
+        relay.server_close()

@@ -294,7 +294,7 @@ class LoRASyncClient:
         """One push through the relays' chain (one copy on this host's link); the results in
         the client's order of servers."""
         from .. import relay  # here: `python -m lora_sync.relay` imports this module first
-        hops = relay.chain_of([s.url for s in self.servers], self.relays)
+        hops = relay.chain_of(self.servers, self.relays)
         results = relay.push_chain(adapter, name, version, hops, self.headers,
                                    max(deadline - time.monotonic(), 1.0), checksum)
         if alongside is not None:
