@@ -45,7 +45,7 @@ from .api import API_KEY_ENV
 from .errors import BadRequest, ClientDisconnected, LoRASyncError, PayloadTooLarge, TimedOut, \
     TooBusy, Unauthorized
 from .transports import TRANSPORTS
-from .transports.base import PushResult, SendContext, Server, with_protocol
+from .transports.base import PushResult, SendContext, Server, send_reaching, with_protocol
 from .transports.shared_copy import sealed_copy
 from .transports.shm.memfd import read_header
 
@@ -290,12 +290,8 @@ class Relay:
         def one(server: Server) -> PushResult:
             t0 = time.perf_counter()
             try:
-                result = transport.send(shared, server, ctx)
-                if result is None:
-                    raise LoRASyncError(f"{server.url} cannot map this relay's copy (another "
-                                        "host or PID namespace): list it under its own "
-                                        "node's relay", code="shared_unreachable", status=400)
-                return result
+                return send_reaching(transport, shared, server, ctx,
+                                     hint="list it under its own node's relay")
             except LoRASyncError as e:
                 return PushResult.failed(server.url, version, e, time.perf_counter() - t0)
         with ThreadPoolExecutor(max_workers=len(servers)) as pool:

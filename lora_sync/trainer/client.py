@@ -18,7 +18,7 @@ from ..errors import LoRASyncError, PushFailed, TooBusy
 from .fleet import FleetMemory, Newest, newest_of
 from ..transports import TRANSPORTS
 from ..transports.base import ClientConfig, PushResult, SendContext, Server, Transport, \
-    Unavailable, with_protocol
+    Unavailable, send_reaching, with_protocol
 
 # `relay`: one copy per node, through the relays the client was given (lora_sync/relay.py).
 RELAY = "relay"
@@ -267,7 +267,7 @@ class LoRASyncClient:
                     self._resync_one(server)
                 if sender is None:
                     return self._push_auto(server, adapter, ctx, prepared)
-                return self._push_with(sender, outgoing, server, ctx)
+                return send_reaching(sender, outgoing, server, ctx)
 
         def once_sent():
             # The copy kept for a resync is made once every body has left, while the
@@ -321,17 +321,7 @@ class LoRASyncClient:
             if result is not None:
                 return result
         mine = replace(ctx, state=self.states[last.name])
-        return self._push_with(last, prepared.of(last, mine), server, mine)
-
-    @staticmethod
-    def _push_with(transport: Transport, outgoing, server: Server,
-                   ctx: SendContext) -> PushResult:
-        result = transport.send(outgoing, server, ctx)
-        if result is None:
-            raise LoRASyncError(f"{server.url} cannot be reached through {transport.name} from "
-                                "this process (another host or PID namespace); use "
-                                "transport='tensors'", code="shm_unreachable", status=400)
-        return result
+        return send_reaching(last, prepared.of(last, mine), server, mine)
 
     def _each_server(self, push_one, version: int, deadline: float,
                      alongside=None) -> list[PushResult]:

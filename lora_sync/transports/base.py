@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar
 
 from .. import naming
 from ..engines import engine as engine_named
-from ..errors import BadRequest, TooBusy
+from ..errors import BadRequest, LoRASyncError, TooBusy
 from ..adapter import META_CHECKSUM, META_CONFIG, META_NAME, META_VERSION, parse_config
 from ..http import check_url
 from ..messages import IntakeRequest
@@ -92,6 +92,18 @@ class SendContext:
                                   # (`keeps_copy`)
     spare: Any = None             # with `keep`: a buffer of the client's to pack into
     body_sent: Callable[[], None] | None = None  # call once this server's body has left
+
+
+def send_reaching(transport: "Transport", outgoing, server: Server, ctx: SendContext,
+                  hint: str = "use transport='tensors'") -> "PushResult":
+    """`transport.send`, where a server it cannot reach from this process (another host or
+    PID namespace) is that server's error (`hint`: what to do instead), not a None."""
+    result = transport.send(outgoing, server, ctx)
+    if result is None:
+        raise LoRASyncError(f"{server.url} cannot be reached through {transport.name} from "
+                            f"this process (another host or PID namespace); {hint}",
+                            code="shm_unreachable", status=400)
+    return result
 
 
 class Unavailable(TooBusy):
