@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import socket
 import struct
 from dataclasses import dataclass
@@ -288,7 +289,28 @@ def receive_transfer(group: Group, transfer: Transfer, frames: list[torch.Tensor
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (for the trainer's rendezvous)."""
+    """A port nobody holds now (for the trainer's rendezvous, a server), below the kernel's
+    ephemeral range where it is known: a connection opened meanwhile (the trainer's calls
+    to its servers while the group forms) takes its local port from that range, and once
+    took the port picked here before the store listened on it (EADDRINUSE)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if low > 2048 else 0):
+        try:
+            with socket.socket() as s:
+                s.bind((host, rng.randrange(max(1024, low // 2), low)))
+                return s.getsockname()[1]
+        except OSError:  # held by someone: another
+            continue
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0

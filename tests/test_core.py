@@ -957,3 +957,17 @@ def test_a_kept_verdict_is_the_same_verdict():
     small = tiny_model_spec(max_rank=4)  # another model: its own verdict (rank 8 > 4)
     with pytest.raises(BadAdapter):
         check_adapter(specs, config, small)
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_free():
+    """free_port's pick cannot be taken meanwhile by a connection's local port (the
+    kernel's ephemeral range): a rendezvous once lost its port that way."""
+    import socket
+
+    from lora_sync.collective import _ephemeral_low, free_port
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        assert low <= 2048 or port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # nobody holds it
