@@ -380,7 +380,9 @@ def test_a_ready_lease_is_renewed_and_one_that_lapsed_is_replaced(make_fake_serv
         assert status_of_renew(c, {"lease_id": 5, "token": "x"}) == 400
         assert status_of_renew(c, granted.ticket()) == 200
         c.push(make_adapter(seed=864), "plain", transport="shm")
-        assert c.states["shm"].ready is None and open_leases(c) == 1  # only the one granted above
+        # No lease readied: at most the one granted above (its 0.4 s TTL may lapse while a
+        # loaded machine pushes)
+        assert c.states["shm"].ready is None and open_leases(c) <= 1
 
 
 def test_lease_bounds_rest_on_no_client_declared_id(fake_client):
