@@ -178,14 +178,12 @@ def _read_body(resp, max_bytes: int, deadline: float, where: str) -> bytes:
 
 def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None,
              timeout: float = 120.0, max_reply_bytes: int = MAX_REPLY_BYTES, on_sent=None,
-             content_length: int | None = None, socket_options=()
-             ) -> tuple[int, bytes, dict]:
+             content_length: int | None = None) -> tuple[int, bytes, dict]:
     """Sends a request; the body is either `json_body` or an iterable of byte chunks (given
     `content_length`, an iterator consumed while it sends: a relay forwarding what it
     receives). Returns (status, reply bytes, reply headers), all of it within `timeout`
     seconds (and the deadline of an enclosing `within`). `on_sent()` is called once the
-    whole body has left, before the reply is read. `socket_options`: (level, option, value)
-    set on the socket once connected."""
+    whole body has left, before the reply is read."""
     deadline = time.monotonic() + timeout
     scoped = _deadline.get()
     if scoped is not None:
@@ -205,8 +203,6 @@ def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None
         try:
             conn.timeout = _remaining(deadline)
             conn.connect()
-            for option in socket_options:
-                conn.sock.setsockopt(*option)
             guard = _watchdog.arm(deadline, conn.sock)
             conn.putrequest(method, path)
             for k, v in headers.items():

@@ -31,7 +31,6 @@ import argparse
 import hmac
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -58,10 +57,6 @@ MAX_CHAIN_BYTES = 256 << 10  # the chain header
 MAX_CONNECTIONS = 8
 IDLE_S = 30.0
 PIECE = 1 << 20              # the most forwarded at once (what has landed is, at once)
-# The forward's unsent backlog in the kernel, at most: a relay whose send queue filled to
-# tcp_wmem's few MB would hold every byte that long before passing it on, on every hop.
-# The bytes wait in the relay's own buffer instead; the window in flight is not limited.
-NOTSENT_LOWAT = (socket.IPPROTO_TCP, getattr(socket, "TCP_NOTSENT_LOWAT", 25), 128 << 10)
 
 
 @dataclass(frozen=True)
@@ -270,7 +265,6 @@ class Relay:
                 done.set_result(http.call(
                     "POST", hops[0].relay + RELAY_PATH, chunks=body.pieces(),
                     content_length=body.length, timeout=max(deadline - time.monotonic(), 1),
-                    socket_options=[NOTSENT_LOWAT],
                     headers={**with_protocol(headers),
                              "Content-Type": "application/octet-stream"})[0])
             except BaseException as e:  # noqa: BLE001 - every hop's failure is its servers'

@@ -64,10 +64,8 @@ class LoRASyncHttpServer(verl_vllm.vLLMHttpServer):
         # vLLM loads endpoint plugins only when VLLM_PLUGINS names them, and reads it when
         # verl builds the app: this process is the actor's own.
         named = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
-        if named and "lora_sync" not in named:
+        if "lora_sync" not in named:
             os.environ["VLLM_PLUGINS"] = ",".join([*named, "lora_sync"])
-        elif not named:
-            os.environ["VLLM_PLUGINS"] = "lora_sync"
         super().__init__(*args, **kwargs)
         self.lora_sync_adapter = os.environ.get(ADAPTER_ENV, "policy")
 
