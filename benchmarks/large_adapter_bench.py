@@ -250,6 +250,12 @@ def per_tensor_overhead(shape: Shape, reps: int = 3) -> dict:
         # the trainer's next push of the same layout: its verdict is kept
         out["check_again"] = _best(lambda: check_adapter(parsed.specs, config, spec), reps)
         buf = bytearray(header) + data
+
+        def view_cold():
+            wire._VIEW_PLANS.clear()
+            wire.view_tensors(buf, parsed)
+        out["view_cold"] = _best(view_cold, reps)
+        view_cold()  # the next push of this layout finds its plan
         out["view"] = _best(lambda: wire.view_tensors(buf, parsed), reps)
         decl = [s.to_json() for s in parsed.specs]
 
@@ -257,13 +263,21 @@ def per_tensor_overhead(shape: Shape, reps: int = 3) -> dict:
             specs = [wire.TensorSpec.from_json(s) for s in decl]
             collective.Transfer.plan(specs, 1, layout=collective.layout_digest(specs))
         out["broadcast_decl"] = _best(declaration, reps)
+        # a worker's views of a broadcast's frames, its layout known (each push plans the
+        # transfer from the same specs)
+        transfer = collective.Transfer.plan(parsed.specs, 1)
+        frames = collective.frame_buffers(transfer, {})
+        collective.unpack_frames(transfer, frames)
+        out["broadcast_views"] = _best(lambda: collective.unpack_frames(
+            collective.Transfer.plan(parsed.specs, 2, layout=transfer.layout), frames), reps)
     wire._KNOWN_ENTRIES.clear()
     wire._entries_json.cache_clear()
     return out
 
 
 OVERHEAD_STEPS = ("adapter", "layout_cold", "layout_cached", "encode", "parse_cold",
-                  "parse_again", "check_cold", "check_again", "view", "broadcast_decl")
+                  "parse_again", "check_cold", "check_again", "view_cold", "view",
+                  "broadcast_decl", "broadcast_views")
 
 
 def us_per_tensor(row: dict) -> dict:

@@ -5,11 +5,13 @@ GPU) and plan the same `Transfer` (buckets, framing) from the tensor specs."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
 import socket
 import struct
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .host_copy import pack_into
-from .wire import DTYPES, TensorSpec
+from .wire import DTYPES, TensorSpec, plan_views
 
 # Small buckets, all in flight at once, let the sender pack bucket k+1 while bucket k is on
 # the wire: faster than one flat buffer or pack-then-send (measured in docs/benchmarks.md,
@@ -244,9 +246,36 @@ def _bytes_tensor(raw: bytes, device) -> torch.Tensor:
 def unpack_frames(transfer: Transfer, frames: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every tensor of a transfer, as views into its frames (bucket i in `frames[i]`)."""
     out = {}
-    for b, frame in zip(transfer.buckets, frames):
-        out.update(unpack_bucket(b, payload(b, frame)))
+    for b, frame, plan in zip(transfer.buckets, frames, _view_plans(transfer)):
+        out.update(plan.views(frame, 0) if plan is not None
+                   else unpack_bucket(b, payload(b, frame)))
     return out
+
+
+_PLANS: dict[tuple, tuple] = {}  # (layout, bucket_bytes) -> (buckets, their plans)
+_PLANS_MAX = 4
+_PLANS_LOCK = threading.Lock()  # each group's receive runs on a thread of its own
+
+
+def _view_plans(transfer: Transfer) -> list:
+    """Each bucket's wire.ViewPlan (None: cut tensor by tensor), kept per layout and bucket
+    size: a trainer sends the same layout every step. Kept with the buckets it was made for
+    and used for equal buckets only (a worker plans each push from the same specs, so the
+    comparison is by identity, element by element)."""
+    key = (transfer.layout, transfer.bucket_bytes)
+    with _PLANS_LOCK:
+        kept = _PLANS.get(key)
+    if kept is not None and kept[0] == transfer.buckets:
+        return kept[1]
+    plans = []
+    for b in transfer.buckets:
+        ends = list(itertools.accumulate(s.nbytes for s in b.specs))
+        plans.append(plan_views(list(b.specs), list(zip([0] + ends[:-1], ends))))
+    with _PLANS_LOCK:
+        if len(_PLANS) >= _PLANS_MAX:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = (transfer.buckets, plans)
+    return plans
 
 
 def send_transfer(group: Group, transfer: Transfer, tensors: dict, kept: dict,

@@ -14,7 +14,7 @@ import json
 import struct
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,6 +86,9 @@ class Header:
     specs: list[TensorSpec]
     offsets: list[tuple[int, int]]  # byte range of each tensor, relative to data_start
     data_start: int
+    # The digest of the entries' text where the parse was kept (_KNOWN_ENTRIES): the views'
+    # plan (ViewPlan) is kept under it too.
+    layout_key: bytes | None = field(default=None, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -97,7 +100,9 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous().reshape(-1)
+    # A LoRA weight (2-D, contiguous) is viewed as it is: thousands per push, each call counts.
+    if t.dim() != 2 or not t.is_contiguous() or not t.numel():
+        t = t.contiguous().reshape(-1)
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
@@ -175,7 +180,7 @@ def parse_header(buf: bytes | memoryview, body_len: int | None = None) -> Header
     if hlen + pos != body_len:
         raise BadAdapter(f"body has {body_len - hlen} data bytes but the header describes "
                          f"{pos} (truncated or padded body)", code="bad_safetensors")
-    return Header(meta, list(specs), list(offsets), hlen)
+    return Header(meta, list(specs), list(offsets), hlen, key)
 
 
 # A trainer pushes the same tensors every step, only `__metadata__` (name, version) changes:
@@ -265,13 +270,20 @@ def _parse_whole(text: bytes) -> tuple[dict, list, list, int]:
 def view_tensors(buf, header: Header, data_only: bool = False) -> dict[str, torch.Tensor]:
     """Tensors viewing `buf` in place (zero copy), all in one storage: tensors that lie back
     to back can then be viewed as one (`join_adjacent`). `buf` must be writable (bytearray,
-    mmap) and outlive the tensors. `data_only`: `buf` holds the data area alone. A run of
-    tensors of one dtype is cut from one typed view by one `split` (336 views at rank 64:
-    under half the time of three view calls each)."""
+    mmap) and outlive the tensors. `data_only`: `buf` holds the data area alone."""
     base = 0 if data_only else header.data_start
     whole = torch.frombuffer(buf, dtype=torch.uint8) if header.total_bytes > header.data_start \
         else None
-    out, specs, offsets = {}, header.specs, header.offsets
+    plan = _view_plan(header) if whole is not None else None
+    if plan is not None:
+        return plan.views(whole, base)
+    return _views_by_run(buf, whole, base, header.specs, header.offsets)
+
+
+def _views_by_run(buf, whole, base: int, specs: list, offsets: list) -> dict[str, torch.Tensor]:
+    """A run of tensors of one dtype is cut from one typed view by one `split` (336 views at
+    rank 64: under half the time of three view calls each)."""
+    out = {}
     i = 0
     while i < len(specs):
         j = i + 1
@@ -279,7 +291,7 @@ def view_tensors(buf, header: Header, data_only: bool = False) -> dict[str, torc
             j += 1
         dtype = DTYPES[specs[i].dtype]
         begin, end = offsets[i][0], offsets[j - 1][1]
-        if whole is None:  # nothing but empty tensors
+        if whole is None or begin == end:  # nothing but empty tensors
             run = torch.empty(0, dtype=dtype)
         elif (base + begin) % dtype.itemsize == 0:
             run = whole[base + begin:base + end].view(dtype)
@@ -291,6 +303,88 @@ def view_tensors(buf, header: Header, data_only: bool = False) -> dict[str, torc
             out[spec.name] = piece.view(spec.shape)
         i = j
     return out
+
+
+# A LoRA of L layers lists the same tensors layer after layer: its views are cut position by
+# position of that period, each one strided view of every repeat split by one `unbind`, so a
+# push makes a few torch calls per position instead of two per tensor (a 10,000-tensor
+# adapter: docs/benchmarks.md, "MoE-scale adapters"). Kept per layout, as the parse is.
+MAX_PERIOD = 4096  # an MoE layer's tensors (attention, then every expert's) repeat per layer
+_VIEW_PLANS: dict[bytes, "ViewPlan | None"] = {}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One position of the period: `count` tensors of one dtype and shape, `step` bytes
+    apart, the first at byte `first` of the data area."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    first: int
+    step: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ViewPlan:
+    names: tuple[str, ...]  # in the data area's order
+    columns: tuple[Column, ...]
+    data_bytes: int
+
+    def views(self, whole: torch.Tensor, base: int) -> dict[str, torch.Tensor]:
+        period, typed, out = len(self.columns), {}, [None] * len(self.names)
+        for k, c in enumerate(self.columns):
+            flat = typed.get(c.dtype)
+            if flat is None:
+                size = c.dtype.itemsize
+                flat = typed[c.dtype] = whole[base:base + self.data_bytes // size * size] \
+                    .view(c.dtype)
+            size = c.dtype.itemsize
+            strides = [1] * len(c.shape)
+            for d in range(len(c.shape) - 2, -1, -1):
+                strides[d] = strides[d + 1] * c.shape[d + 1]
+            out[k::period] = flat.as_strided((c.count, *c.shape), (c.step // size, *strides),
+                                             flat.storage_offset() + c.first // size).unbind(0)
+        return dict(zip(self.names, out))
+
+
+def _view_plan(header: Header) -> ViewPlan | None:
+    """The header's plan, kept per layout; None where its tensors do not repeat with a
+    period (or lie misaligned for their dtype): they are cut run by run."""
+    key = header.layout_key
+    if key is None:
+        return None
+    with _KNOWN_LOCK:
+        if key in _VIEW_PLANS:
+            return _VIEW_PLANS[key]
+    plan = plan_views(header.specs, header.offsets)
+    with _KNOWN_LOCK:
+        if len(_VIEW_PLANS) >= _KNOWN_MAX:
+            del _VIEW_PLANS[next(iter(_VIEW_PLANS))]
+        _VIEW_PLANS[key] = plan
+    return plan
+
+
+def plan_views(specs: list[TensorSpec], offsets: list[tuple[int, int]]) -> ViewPlan | None:
+    """The shortest period (at most MAX_PERIOD tensors, at least two repeats) whose every
+    position holds one dtype and shape at a fixed byte step, aligned for that dtype."""
+    n = len(specs)
+    for period in range(1, min(MAX_PERIOD, n // 2) + 1):
+        step = offsets[period][0] - offsets[0][0]
+        if step <= 0 or any((specs[i].dtype, specs[i].shape)
+                            != (specs[i - period].dtype, specs[i - period].shape)
+                            or offsets[i][0] - offsets[i - period][0] != step
+                            for i in range(period, n)):
+            continue
+        columns = []
+        for k in range(period):
+            dtype = DTYPES[specs[k].dtype]
+            if offsets[k][0] % dtype.itemsize or step % dtype.itemsize:
+                return None
+            columns.append(Column(dtype, specs[k].shape, offsets[k][0], step,
+                                  len(range(k, n, period))))
+        return ViewPlan(tuple(s.name for s in specs), tuple(columns),
+                        offsets[-1][1] if offsets else 0)
+    return None
 
 
 def view_mapped(mapped) -> tuple[Header, dict[str, torch.Tensor]]:
