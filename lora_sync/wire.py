@@ -365,25 +365,31 @@ def _view_plan(header: Header) -> ViewPlan | None:
 
 
 def plan_views(specs: list[TensorSpec], offsets: list[tuple[int, int]]) -> ViewPlan | None:
+    """`plan_tensor_views` for tensors described by specs."""
+    return plan_tensor_views([s.name for s in specs], [(DTYPES[s.dtype], s.shape) for s in specs],
+                             offsets)
+
+
+def plan_tensor_views(names: list[str], kinds: list[tuple[torch.dtype, tuple]],
+                      offsets: list[tuple[int, int]]) -> ViewPlan | None:
     """The shortest period (at most MAX_PERIOD tensors, at least two repeats) whose every
-    position holds one dtype and shape at a fixed byte step, aligned for that dtype."""
-    n = len(specs)
+    position holds one (dtype, shape) of `kinds` at a fixed byte step, aligned for that
+    dtype; None where there is none."""
+    n = len(names)
     for period in range(1, min(MAX_PERIOD, n // 2) + 1):
         step = offsets[period][0] - offsets[0][0]
-        if step <= 0 or any((specs[i].dtype, specs[i].shape)
-                            != (specs[i - period].dtype, specs[i - period].shape)
+        if step <= 0 or any(kinds[i] != kinds[i - period]
                             or offsets[i][0] - offsets[i - period][0] != step
                             for i in range(period, n)):
             continue
         columns = []
         for k in range(period):
-            dtype = DTYPES[specs[k].dtype]
+            dtype, shape = kinds[k]
             if offsets[k][0] % dtype.itemsize or step % dtype.itemsize:
                 return None
-            columns.append(Column(dtype, specs[k].shape, offsets[k][0], step,
+            columns.append(Column(dtype, tuple(shape), offsets[k][0], step,
                                   len(range(k, n, period))))
-        return ViewPlan(tuple(s.name for s in specs), tuple(columns),
-                        offsets[-1][1] if offsets else 0)
+        return ViewPlan(tuple(names), tuple(columns), offsets[-1][1] if offsets else 0)
     return None
 
 

@@ -637,7 +637,14 @@ def test_coverage_travels_in_lora_sync_info_and_the_trainer_applies_it():
         group.plan(v_only)
     assert e.value.code == "unsupported_module" and "self_attn.v_proj" in e.value.message
     fine = LoRAAdapter(layers_lora([{"q_proj", "v_proj"}] * 2), cfg(targets=["q_proj", "v_proj"]))
-    assert group.plan(fine)[0] == fine.specs()
+    assert group.plan(fine)[0] == [s.to_json() for s in fine.specs()]
+    # the same layout again is not checked again; another shape under the same names is
+    listed, first = group.plan(fine)
+    assert listed == [s.to_json() for s in fine.specs()]
+    wider = LoRAAdapter({k: torch.zeros(t.shape[0] + 1, t.shape[1]) if "lora_B" in k else t
+                         for k, t in fine.tensors.items()}, fine.config)
+    with pytest.raises(BadAdapter):
+        group.plan(wider)
 
 
 @pytest.mark.parametrize("coverage", [

@@ -216,7 +216,7 @@ class LoRASyncClient:
         def kept_of(results) -> Newest | None:
             kept = next((r.kept for r in results if r.ok and r.kept is not None), None)
             if kept is not None:
-                return newest_of(kept, adapter.config)
+                return newest_of(kept, adapter)
             if not copied:  # shm fell back to HTTP: copy now, before the call returns
                 copied.append(self.memory.snapshot(name, adapter))
             return copied[0]

@@ -13,6 +13,7 @@ are copied, and they stay while the client keeps them, whatever the server does)
 broadcast on CPU, the frames it packed (into one of the name's spare buffers)."""
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -44,15 +45,16 @@ class Newest:
         if self.sealed is not None:
             return Newest(self.version, LoRAAdapter(wire.view_mapped(self.sealed)[1],
                                                     dict(self.config)))
-        return Newest(self.version, LoRAAdapter(
-            {k: t.clone() for k, t in self.adapter.tensors.items()}, dict(self.adapter.config)))
+        return Newest(self.version, LoRAAdapter.copy_of(
+            self.adapter, {k: t.clone() for k, t in self.adapter.tensors.items()}))
 
 
-def newest_of(kept: KeptCopy, config: dict) -> Newest:
-    """The client's record of what a push kept (PushResult.kept), its version set later."""
+def newest_of(kept: KeptCopy, adapter: LoRAAdapter) -> Newest:
+    """The client's record of what a push of `adapter` kept (PushResult.kept), its version
+    set later."""
     if isinstance(kept, SealedCopy):
-        return Newest(0, None, sealed=kept.view, config=dict(config))
-    return Newest(0, LoRAAdapter(kept.tensors, dict(config)), kept.flat)
+        return Newest(0, None, sealed=kept.view, config=dict(adapter.config))
+    return Newest(0, LoRAAdapter.copy_of(adapter, kept.tensors), kept.flat)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class FleetMemory:
     # copy: the newest is the sealed lease) both are spares; dropping one there, to take a
     # fresh one at the next snapshot, made that push pay for fresh pages again.
     _spares: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _layouts: dict[str, tuple] = field(default_factory=dict)  # name -> its copies' layout
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next_version(self, name: str, held_by_servers) -> int:
@@ -83,8 +86,7 @@ class FleetMemory:
         push in, off the push's critical path."""
         if not self.remember:
             return None
-        sizes = [-(-t.numel() * t.element_size() // 8) * 8 for t in adapter.tensors.values()]
-        total = sum(sizes)
+        sizes, total, plan = self._layout(name, adapter)
         with self._lock:
             spares = self._spares.get(name, [])
             flat = next((f for f in spares if _fits(f, total)), None)
@@ -94,14 +96,35 @@ class FleetMemory:
                 spares.pop(0)
         if flat is None:
             flat = torch.empty(copy_capacity(total), dtype=torch.uint8)
-        offset, kept, pairs = 0, {}, []
-        for (key, t), size in zip(adapter.tensors.items(), sizes):
-            n = t.numel() * t.element_size()
-            kept[key] = flat[offset:offset + n].view(t.dtype).view(t.shape)
-            pairs.append((kept[key], t.detach()))
-            offset += size  # 8-byte aligned: every dtype's view is legal
-        host_copy.copy_each(pairs)  # beside the servers' intake: no torch thread team
-        return Newest(0, LoRAAdapter(kept, dict(adapter.config)), flat)
+        if plan is not None:
+            kept = plan.views(flat, 0)
+        else:
+            offset, kept = 0, {}
+            for (key, t), size in zip(adapter.tensors.items(), sizes):
+                n = t.numel() * t.element_size()
+                kept[key] = flat[offset:offset + n].view(t.dtype).view(t.shape)
+                offset += size  # 8-byte aligned: every dtype's view is legal
+        # beside the servers' intake: no torch thread team
+        host_copy.copy_each([(kept[k], t.detach()) for k, t in adapter.tensors.items()])
+        return Newest(0, LoRAAdapter.copy_of(adapter, kept), flat)
+
+    def _layout(self, name: str, adapter: LoRAAdapter) -> tuple:
+        """(each tensor's bytes rounded up to 8, their sum, the views' wire.ViewPlan or None)
+        of the name's copies, kept while its layout stays the same (a trainer's every step)."""
+        kinds = [(t.dtype, t.shape) for t in adapter.tensors.values()]
+        with self._lock:
+            kept = self._layouts.get(name)
+        if kept is not None and kept[0] == kinds and kept[1] == list(adapter.tensors):
+            return kept[2]
+        sizes = [-(-t.numel() * t.element_size() // 8) * 8 for t in adapter.tensors.values()]
+        ends = list(itertools.accumulate(sizes))
+        offsets = [(end - size, end - size + t.numel() * t.element_size())
+                   for end, size, t in zip(ends, sizes, adapter.tensors.values())]
+        layout = (sizes, sum(sizes), wire.plan_tensor_views(list(adapter.tensors), kinds,
+                                                             offsets))
+        with self._lock:
+            self._layouts[name] = (kinds, list(adapter.tensors), layout)
+        return layout
 
     def spare(self, name: str) -> torch.Tensor | None:
         """A spare buffer of `name` for a transport to pack the push into (broadcast): it
@@ -140,6 +163,7 @@ class FleetMemory:
         with self._lock:
             self.newest.pop(name, None)
             self._spares.pop(name, None)
+            self._layouts.pop(name, None)
 
     def newest_copies(self, wanted) -> list[tuple[str, Newest]]:
         """(name, Newest) of each remembered adapter `wanted(name, version)` says to send,

@@ -68,23 +68,25 @@ class TrainerGroup:
     send_buffers: dict = field(default_factory=dict)  # the frames, kept between pushes
     # server url -> the layout that server holds for this group (a push of it names it)
     declared: dict = field(default_factory=dict)
-    # The last adapter layout checked against every server: (specs, config as JSON text, its
-    # Transfer). A trainer pushes one layout every step; checking and planning it again
-    # was a noticeable part of each push.
+    # The last adapter layout checked against every server: (its names, dtypes and shapes,
+    # config as JSON text, specs, their JSON, its Transfer). A trainer pushes one layout every
+    # step; checking, planning and listing it again was a noticeable part of each push.
     checked: tuple | None = None
 
-    def plan(self, adapter: LoRAAdapter) -> tuple[list[TensorSpec], collective.Transfer]:
-        """The adapter's specs and its transfer under a new id, once its layout and config
-        are checked against every server's model (before any collective call)."""
-        specs, config = adapter.specs(), json.dumps(adapter.config, sort_keys=True)
-        if self.checked is None or self.checked[:2] != (specs, config):
+    def plan(self, adapter: LoRAAdapter) -> tuple[list[dict], collective.Transfer]:
+        """The adapter's specs as JSON and its transfer under a new id, once its layout and
+        config are checked against every server's model (before any collective call)."""
+        shapes = [(k, t.dtype, t.shape) for k, t in adapter.tensors.items()]
+        config = json.dumps(adapter.config, sort_keys=True)
+        if self.checked is None or self.checked[:2] != (shapes, config):
             self.checked = None
+            specs = adapter.specs()
             for spec in self.specs:
                 check_adapter(specs, adapter.config, spec)
-            self.checked = (specs, config,
+            self.checked = (shapes, config, [s.to_json() for s in specs],
                             collective.Transfer.plan(specs, 0, self.bucket_bytes))
-        specs, _, transfer = self.checked
-        return specs, replace(transfer, transfer_id=secrets.randbelow(MAX_TRANSFER_ID) + 1)
+        _, _, listed, transfer = self.checked
+        return listed, replace(transfer, transfer_id=secrets.randbelow(MAX_TRANSFER_ID) + 1)
 
 
 def init_group(servers: list, headers: dict, infos: list, master_address: str,
@@ -395,10 +397,10 @@ class BroadcastTransport(Transport):
         if group.broken:
             raise TransferFailed(f"group {group.name!r} failed earlier; destroy it and call "
                                  "init_group again")
-        specs, transfer = group.plan(adapter)
+        listed, transfer = group.plan(adapter)
         out = Outgoing(group, {
             "lora_name": ctx.name, "version": ctx.version, "adapter_config": adapter.config,
-            "tensors": [s.to_json() for s in specs], "layout": transfer.layout,
+            "tensors": listed, "layout": transfer.layout,
             "group_name": group.name, "bucket_bytes": group.bucket_bytes,
             "transfer_id": transfer.transfer_id,
             "checksum": adapter.checksum() if ctx.checksum else None})
