@@ -44,13 +44,19 @@ def is_base_copy(key: str) -> bool:
     both engines' disk loaders skip it (vLLM: is_base_embedding_weights), so every path
     skips it too (`lora_weights`, check_adapter, the workers' intake) and an adapter gets one
     verdict whether the copy is there or not."""
+    if not key.endswith(_BASE_SUFFIX):  # the regex only where it can match: every push
+        return False                    # asks of every tensor
     m = _BASE_COPY.match(key)
     return m is not None and m["module"].rsplit(".", 1)[-1] in VOCAB_LAYERS
 
 
+_BASE_SUFFIX = ".base_layer.weight"
+
+
 def lora_weights(tensors: dict) -> dict:
     """`tensors` less PEFT's vocabulary base copies (is_base_copy)."""
-    if not any(is_base_copy(k) for k in tensors):
+    if not any(k.endswith(_BASE_SUFFIX) for k in tensors) \
+            or not any(is_base_copy(k) for k in tensors):
         return tensors
     return {k: v for k, v in tensors.items() if not is_base_copy(k)}
 

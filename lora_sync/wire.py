@@ -40,6 +40,16 @@ class TensorSpec:
     dtype: str          # safetensors tag: F32 | F16 | BF16
     shape: tuple[int, ...]
 
+    def __hash__(self) -> int:
+        # Kept: a push's layout is looked up by the tuple of its specs (check_adapter's kept
+        # verdicts), the same spec objects every push of a trainer (the parse is kept too).
+        try:
+            return self._hash
+        except AttributeError:
+            h = hash((self.name, self.dtype, self.shape))
+            object.__setattr__(self, "_hash", h)
+            return h
+
     @property
     def nbytes(self) -> int:
         n = DTYPES[self.dtype].itemsize

@@ -179,6 +179,8 @@ def load_adapter(scheduler, lora_id: str, tensors: dict, config: dict) -> None:
 # SGLang stacks the lora_B of fused siblings into one tensor under the fused name, and takes
 # one already stacked as it is (LoRAAdapter.normalize_qkv_proj / normalize_gate_up_proj).
 STACKED_B = tuple(zip(("qkv_proj", "gate_up_proj"), FUSED_SIBLINGS))
+# (what a group's first lora_B key holds, the fused name, the parts): looked for in every key
+_FIRST_B = tuple((f".{parts[0]}.lora_B", fused, parts) for fused, parts in STACKED_B)
 
 
 def stack_in_place(tensors: dict) -> dict:
@@ -187,8 +189,8 @@ def stack_in_place(tensors: dict) -> dict:
     concatenating them into new memory. The same values either way; the rest as given."""
     out = dict(tensors)
     for key in tensors:
-        for fused, parts in STACKED_B:
-            if f".{parts[0]}.lora_B" not in key:
+        for first_b, fused, parts in _FIRST_B:
+            if first_b not in key:
                 continue
             names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
             if all(n in out for n in names):
