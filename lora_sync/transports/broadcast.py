@@ -18,6 +18,7 @@ instead of listing 336 tensors again (Groups.layout_of)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import json
@@ -285,9 +286,26 @@ class Layout:
     digest: int
     specs: list[TensorSpec]
 
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def buckets(self, bucket_bytes: int) -> tuple:
+        """Its buckets at that size, kept for the last size asked: every push of a trainer
+        asks the same, and planning walks every tensor."""
+        kept = self.__dict__.get("_buckets")
+        if kept is None or kept[0] != bucket_bytes:
+            kept = self.__dict__["_buckets"] = (
+                bucket_bytes, tuple(collective.plan_buckets(self.specs, bucket_bytes)))
+        return kept[1]
+
+    def transfer(self, transfer_id: int, bucket_bytes: int) -> collective.Transfer:
+        return collective.Transfer(transfer_id, self.buckets(bucket_bytes), bucket_bytes,
+                                   self.digest)
+
     def frames_nbytes(self, bucket_bytes: int) -> int:
         """What the workers allocate to receive it (payload, padding, trailers)."""
-        return sum(b.frame_bytes for b in collective.plan_buckets(self.specs, bucket_bytes))
+        return sum(b.frame_bytes for b in self.buckets(bucket_bytes))
 
 
 @dataclass
@@ -528,7 +546,7 @@ class BroadcastTransport(Transport):
             groups.layouts[req.group_name] = layout
             groups.workers_hold.add(req.group_name)
         return Staged(req.lora_name, req.version, req.config, layout.specs,
-                      sum(s.nbytes for s in layout.specs), req.checksum,
+                      layout.nbytes, req.checksum,
                       {"group_name": req.group_name, "layout": layout.digest,
                        "specs": [s.to_json() for s in layout.specs] if listed else None,
                        "bucket_bytes": req.bucket_bytes, "transfer_id": req.transfer_id},
@@ -556,8 +574,7 @@ class BroadcastTransport(Transport):
             if layout is None or layout.digest != args["layout"]:  # (the API keeps in step)
                 raise collective.FrameMismatch(f"this worker holds no layout {args['layout']} "
                                                f"for group {group_name!r}")
-            transfer = collective.Transfer.plan(layout.specs, args["transfer_id"],
-                                                args["bucket_bytes"], layout.digest)
+            transfer = layout.transfer(args["transfer_id"], args["bucket_bytes"])
             buffers = [pool.take_buffer(torch.uint8, b.frame_bytes, device)
                        for b in transfer.buckets]
             tensors = collective.receive_transfer(pg, transfer, buffers)
