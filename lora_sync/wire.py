@@ -318,7 +318,7 @@ def _views_by_run(buf, whole, base: int, specs: list, offsets: list) -> dict[str
 # A LoRA of L layers lists the same tensors layer after layer: its views are cut position by
 # position of that period, each one strided view of every repeat split by one `unbind`, so a
 # push makes a few torch calls per position instead of two per tensor (a 10,000-tensor
-# adapter: docs/benchmarks.md, "MoE-scale adapters"). Kept per layout, as the parse is.
+# adapter: docs/benchmarks.md, "A large adapter"). Kept per layout, as the parse is.
 MAX_PERIOD = 4096  # an MoE layer's tensors (attention, then every expert's) repeat per layer
 _VIEW_PLANS: dict[bytes, "ViewPlan | None"] = {}
 
@@ -384,23 +384,37 @@ def plan_tensor_views(names: list[str], kinds: list[tuple[torch.dtype, tuple]],
                       offsets: list[tuple[int, int]]) -> ViewPlan | None:
     """The shortest period (at most MAX_PERIOD tensors, at least two repeats) whose every
     position holds one (dtype, shape) of `kinds` at a fixed byte step, aligned for that
-    dtype; None where there is none."""
+    dtype; None where there is none. Linear in the tensor count whatever the layout (a
+    hostile one included): the period of (kind, gap to the next tensor) is found at once."""
     n = len(names)
-    for period in range(1, min(MAX_PERIOD, n // 2) + 1):
-        step = offsets[period][0] - offsets[0][0]
-        if step <= 0 or any(kinds[i] != kinds[i - period]
-                            or offsets[i][0] - offsets[i - period][0] != step
-                            for i in range(period, n)):
-            continue
-        columns = []
-        for k in range(period):
-            dtype, shape = kinds[k]
-            if offsets[k][0] % dtype.itemsize or step % dtype.itemsize:
-                return None
-            columns.append(Column(dtype, tuple(shape), offsets[k][0], step,
-                                  len(range(k, n, period))))
-        return ViewPlan(tuple(names), tuple(columns), offsets[-1][1] if offsets else 0)
-    return None
+    if n < 4:
+        return None
+    gaps = [(kinds[i], offsets[i + 1][0] - offsets[i][0]) for i in range(n - 1)]
+    period = _smallest_period(gaps)
+    step = offsets[period][0] - offsets[0][0]
+    if period > min(MAX_PERIOD, n // 2) or kinds[n - 1] != kinds[n - 1 - period] \
+            or step <= 0:
+        return None
+    columns = []
+    for k in range(period):
+        dtype, shape = kinds[k]
+        if offsets[k][0] % dtype.itemsize or step % dtype.itemsize:
+            return None
+        columns.append(Column(dtype, tuple(shape), offsets[k][0], step,
+                              len(range(k, n, period))))
+    return ViewPlan(tuple(names), tuple(columns), offsets[-1][1])
+
+
+def _smallest_period(seq: list) -> int:
+    """The least p with seq[i] == seq[i + p] wherever both exist (Knuth-Morris-Pratt)."""
+    fail, k = [0] * len(seq), 0
+    for i in range(1, len(seq)):
+        while k and seq[i] != seq[k]:
+            k = fail[k - 1]
+        if seq[i] == seq[k]:
+            k += 1
+        fail[i] = k
+    return len(seq) - fail[-1]
 
 
 def view_mapped(mapped) -> tuple[Header, dict[str, torch.Tensor]]:

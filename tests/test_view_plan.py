@@ -85,3 +85,18 @@ def test_broadcast_frames_are_viewed_by_period_and_the_plan_is_kept_per_layout()
                                 transfer.layout)
     got = collective.unpack_frames(moved, frames)
     assert all(got[s.name].shape == s.shape for s in other)
+
+
+def test_the_period_is_found_in_one_pass_whatever_the_layout():
+    """A layout that repeats until its last tensor (a hostile header may be one): no plan,
+    found in linear time (a search period by period would compare n tensors for each of
+    thousands of candidate periods); a long periodic one gets its period."""
+    n, kind, other = 50_000, (torch.bfloat16, (4, 4)), (torch.bfloat16, (2, 16))
+    offsets = [(32 * i, 32 * i + 32) for i in range(n)]
+    names = [f"t{i}" for i in range(n)]
+    assert wire.plan_tensor_views(names, [kind] * (n - 1) + [other], offsets) is None
+    kinds = ([kind, other, other] * (n // 3 + 1))[:n]  # a partial period at the end
+    plan = wire.plan_tensor_views(names, kinds, offsets)
+    assert plan is not None and [(c.shape, c.step) for c in plan.columns] == \
+        [((4, 4), 96), ((2, 16), 96), ((2, 16), 96)]
+    assert sum(c.count for c in plan.columns) == n
