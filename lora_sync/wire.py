@@ -343,12 +343,11 @@ class ViewPlan:
     def views(self, whole: torch.Tensor, base: int) -> dict[str, torch.Tensor]:
         period, typed, out = len(self.columns), {}, [None] * len(self.names)
         for k, c in enumerate(self.columns):
+            size = c.dtype.itemsize
             flat = typed.get(c.dtype)
             if flat is None:
-                size = c.dtype.itemsize
                 flat = typed[c.dtype] = whole[base:base + self.data_bytes // size * size] \
                     .view(c.dtype)
-            size = c.dtype.itemsize
             strides = [1] * len(c.shape)
             for d in range(len(c.shape) - 2, -1, -1):
                 strides[d] = strides[d + 1] * c.shape[d + 1]
