@@ -193,13 +193,8 @@ def prestart_shared_servers(request):
     and never taken."""
     wanted = set()
     for item in request.session.items:
-        if item.get_closest_marker("skip") is not None:
-            continue
-        names = set(getattr(item, "fixturenames", ()))
-        wanted |= names & set(SHARED_SERVERS)
-        if names & {"server", "client"}:
-            param = getattr(getattr(item, "callspec", None), "params", {}).get("server")
-            wanted |= {param} if param in SHARED_SERVERS else {"vllm", "sglang"}
+        if item.get_closest_marker("skip") is None:
+            wanted |= shared_servers_of(item)
     for name in sorted(wanted):
         directory, make = SHARED_SERVERS[name]
         try:
@@ -323,6 +318,32 @@ def _needs_real_server(item) -> bool:
     return any(_starts_servers(d.func) for name in names for d in defs.get(name, ()))
 
 
+def shared_servers_of(item) -> set:
+    """The shared servers (SHARED_SERVERS) a test takes."""
+    names = set(getattr(item, "fixturenames", ()))
+    wanted = names & set(SHARED_SERVERS)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if names & {"server", "client"}:
+        param = params.get("server")
+        wanted |= {param} if param in SHARED_SERVERS else {"vllm", "sglang"}
+    if _source_has(getattr(item, "function", None), "getfixturevalue("):  # taken by name
+        wanted |= {str(v) for v in params.values()} & set(SHARED_SERVERS)
+    return wanted
+
+
+# CI time: the real-server tests run as two pytest processes at once (scripts/test.sh), each
+# booting only the shared servers its own tests take: a test mostly waits on its server, so two
+# streams keep both cores busy. Tests that start servers of their own go with SGLang's, which
+# are lighter, so the two streams take about as long.
+SERVER_GROUPS = ("vllm", "sglang")
+
+
+def server_group(item) -> str:
+    """`sglang`: the tests of SGLang's shared servers alone, and those that take no shared
+    server; `vllm`: every other real-server test."""
+    return "sglang" if shared_servers_of(item) <= {"sglang", "moe_sglang"} else "vllm"
+
+
 def pytest_collection_modifyitems(config, items):
     extended = os.environ.get("LORA_SYNC_EXTENDED_TESTS") == "1"
     for item in items:
@@ -331,3 +352,13 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("extended") and not extended:
             item.add_marker(pytest.mark.skip(
                 reason="extended real-server test: LORA_SYNC_EXTENDED_TESTS=1 runs it"))
+    group = os.environ.get("LORA_SYNC_SERVER_GROUP")
+    if group:
+        if group not in SERVER_GROUPS:
+            raise pytest.UsageError(f"LORA_SYNC_SERVER_GROUP must be one of "
+                                    f"{sorted(SERVER_GROUPS)}, not {group!r}")
+        keep = [i for i in items
+                if i.get_closest_marker("server") is None or server_group(i) == group]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
