@@ -22,15 +22,27 @@ def copy_each(pairs) -> None:
     """Each (destination, source) pair of tensors of one shape and dtype: by memcpy where
     both are contiguous host tensors, else by torch (a GPU source)."""
     copies, by_torch = [], []
-    for dst, src in pairs:
+    for dst, src in pairs:  # cheap attribute reads only: thousands of pairs per push
         if (_plain_host(dst) and _plain_host(src) and dst.dtype == src.dtype
-                and dst.shape == src.shape):
-            copies.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
+                and dst.nbytes == src.nbytes and dst.dim() == src.dim()):
+            copies.append((dst.data_ptr(), src.data_ptr(), src.nbytes))
         else:
             by_torch.append((dst, src))
     memmove_each(copies)
     for dst, src in by_torch:
-        dst.copy_(src)
+        dst.copy_(src.detach())
+
+
+def copy_to(base: int, starts: list[int], sources) -> bool:
+    """Copies each source tensor to address `base` + its start, all contiguous host
+    tensors; False, with nothing copied, where any is not (the caller copies with torch)."""
+    copies = []
+    for start, t in zip(starts, sources):
+        if not _plain_host(t):
+            return False
+        copies.append((base + start, t.data_ptr(), t.nbytes))
+    memmove_each(copies)
+    return True
 
 
 def pack_into(out: torch.Tensor, parts: list[torch.Tensor]) -> bool:
@@ -38,7 +50,7 @@ def pack_into(out: torch.Tensor, parts: list[torch.Tensor]) -> bool:
     False, with nothing copied, where any is not (the caller copies with torch then)."""
     if not _plain_host(out) or not all(_plain_host(t) and t.dtype == out.dtype for t in parts):
         return False
-    sizes = [t.numel() * t.element_size() for t in parts]
+    sizes = [t.nbytes for t in parts]
     if sum(sizes) > out.numel() * out.element_size():
         raise ValueError(f"{sum(sizes)} bytes do not fit a buffer of "
                          f"{out.numel() * out.element_size()}")
@@ -51,4 +63,4 @@ def pack_into(out: torch.Tensor, parts: list[torch.Tensor]) -> bool:
 
 
 def _plain_host(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous()
+    return t.is_cpu and t.is_contiguous()

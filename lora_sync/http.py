@@ -176,6 +176,45 @@ def _read_body(resp, max_bytes: int, deadline: float, where: str) -> bytes:
     return b"".join(parts)
 
 
+# Buffers per sendmsg (the kernel takes up to 1024): a call per chunk cost more than the
+# bytes for an adapter of thousands of small tensors.
+_SEND_BATCH = 512
+
+
+def _send_body(sock: socket.socket, chunks, deadline: float) -> None:
+    """Every chunk in order: a list a few hundred chunks per sendmsg; an iterator (a relay
+    forwarding what it receives) each chunk as it comes."""
+    if not isinstance(chunks, list):
+        for view in map(_byte_view, chunks):
+            if view.nbytes:
+                _send_all(sock, [view], deadline)
+        return
+    views = [v for v in map(_byte_view, chunks) if v.nbytes]
+    for first in range(0, len(views), _SEND_BATCH):
+        _send_all(sock, views[first:first + _SEND_BATCH], deadline)
+
+
+def _byte_view(chunk) -> memoryview:
+    view = memoryview(chunk)
+    return view if view.ndim == 1 and view.itemsize == 1 else view.cast("B")
+
+
+def _send_all(sock: socket.socket, views: list, deadline: float) -> None:
+    """`views` (1-D byte views) whole, in order, each sendmsg within what is left of the
+    deadline."""
+    i = 0
+    while i < len(views):
+        sock.settimeout(_remaining(deadline))
+        sent = sock.sendmsg(views[i:])
+        while sent:
+            n = views[i].nbytes
+            if sent < n:
+                views[i], sent = views[i][sent:], 0
+            else:
+                sent -= n
+                i += 1
+
+
 def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None,
              timeout: float = 120.0, max_reply_bytes: int = MAX_REPLY_BYTES, on_sent=None,
              content_length: int | None = None) -> tuple[int, bytes, dict]:
@@ -208,9 +247,7 @@ def exchange(method: str, url: str, *, chunks=None, json_body=None, headers=None
             for k, v in headers.items():
                 conn.putheader(k, v)
             conn.endheaders()
-            for c in chunks:
-                conn.sock.settimeout(_remaining(deadline))
-                conn.send(c)
+            _send_body(conn.sock, chunks, deadline)
             if on_sent is not None:
                 on_sent()
             conn.sock.settimeout(_remaining(deadline))

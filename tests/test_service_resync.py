@@ -102,7 +102,7 @@ def test_the_resync_copy_waits_until_every_body_has_left(make_fake_server, make_
         results = c.push(adapter, "late-copy", transport="tensors", on_error="skip")
         assert [r.ok for r in results] == [True, False, True]
         assert events == ["sent", "sent", "copy"]
-        kept = c.memory.newest["late-copy"].adapter
+        kept = c.memory.newest["late-copy"].lent().adapter
         assert all(torch.equal(kept.tensors[k], adapter.tensors[k]) for k in adapter.tensors)
         assert greedy(c, "late-copy") == served_text(adapter)
 

@@ -34,10 +34,13 @@ class Newest:
     # (its tensors are viewed only when a resync needs them).
     sealed: Any = None
     config: dict | None = None
+    # Or, after a snapshot: `flat` holds the tensors as `layout` (CopyLayout) places them,
+    # viewed only when a resync needs them.
+    layout: "CopyLayout | None" = None
 
     @property
     def kept(self) -> bool:
-        return self.adapter is not None or self.sealed is not None
+        return self.adapter is not None or self.sealed is not None or self.layout is not None
 
     def lent(self) -> "Newest":
         """A copy of its own, for a resync (which may outlive the buffer behind `flat`);
@@ -45,8 +48,36 @@ class Newest:
         if self.sealed is not None:
             return Newest(self.version, LoRAAdapter(wire.view_mapped(self.sealed)[1],
                                                     dict(self.config)))
+        if self.layout is not None:
+            return Newest(self.version, LoRAAdapter(self.layout.views(self.flat.clone()),
+                                                    dict(self.config)))
         return Newest(self.version, LoRAAdapter.copy_of(
             self.adapter, {k: t.clone() for k, t in self.adapter.tensors.items()}))
+
+
+@dataclass(frozen=True)
+class CopyLayout:
+    """Where a snapshot puts each tensor in its buffer: back to back, each at a multiple of
+    8 bytes (every dtype's view is legal there)."""
+    names: list[str]
+    kinds: list[tuple]        # (dtype, shape) of each tensor
+    starts: list[int]         # each tensor's first byte in the buffer
+    nbytes: int               # the buffer's bytes in use
+    plan: Any                 # the views' wire.ViewPlan, or None: cut tensor by tensor
+
+    @classmethod
+    def of(cls, adapter: LoRAAdapter, kinds: list[tuple]) -> "CopyLayout":
+        sizes = [t.nbytes for t in adapter.tensors.values()]
+        starts = [0, *itertools.accumulate(-(-n // 8) * 8 for n in sizes)]
+        names = list(adapter.tensors)
+        plan = wire.plan_tensor_views(names, kinds, [(b, b + n) for b, n in zip(starts, sizes)])
+        return cls(names, kinds, starts[:-1], starts[-1], plan)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.plan is not None:
+            return self.plan.views(flat, 0)
+        return {name: flat[b:b + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                for name, (dtype, shape), b in zip(self.names, self.kinds, self.starts)}
 
 
 def newest_of(kept: KeptCopy, adapter: LoRAAdapter) -> Newest:
@@ -69,7 +100,7 @@ class FleetMemory:
     # copy: the newest is the sealed lease) both are spares; dropping one there, to take a
     # fresh one at the next snapshot, made that push pay for fresh pages again.
     _spares: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    _layouts: dict[str, tuple] = field(default_factory=dict)  # name -> its copies' layout
+    _layouts: dict[str, CopyLayout] = field(default_factory=dict)  # of each name's copies
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next_version(self, name: str, held_by_servers) -> int:
@@ -86,44 +117,35 @@ class FleetMemory:
         push in, off the push's critical path."""
         if not self.remember:
             return None
-        sizes, total, plan = self._layout(name, adapter)
+        layout = self._layout(name, adapter)
         with self._lock:
             spares = self._spares.get(name, [])
-            flat = next((f for f in spares if _fits(f, total)), None)
+            flat = next((f for f in spares if _fits(f, layout.nbytes)), None)
             if flat is not None:
                 spares.remove(flat)
             elif spares:  # another size: the adapter changed shape
                 spares.pop(0)
         if flat is None:
-            flat = torch.empty(copy_capacity(total), dtype=torch.uint8)
-        if plan is not None:
-            kept = plan.views(flat, 0)
-        else:
-            offset, kept = 0, {}
-            for (key, t), size in zip(adapter.tensors.items(), sizes):
-                n = t.numel() * t.element_size()
-                kept[key] = flat[offset:offset + n].view(t.dtype).view(t.shape)
-                offset += size  # 8-byte aligned: every dtype's view is legal
-        # beside the servers' intake: no torch thread team
-        host_copy.copy_each([(kept[k], t.detach()) for k, t in adapter.tensors.items()])
-        return Newest(0, LoRAAdapter.copy_of(adapter, kept), flat)
+            flat = torch.empty(copy_capacity(layout.nbytes), dtype=torch.uint8)
+        # beside the servers' intake: no torch thread team. Host tensors go in by address,
+        # with no view made (thousands per push); the views are made if a resync wants them.
+        sources = adapter.tensors.values()
+        if not host_copy.copy_to(flat.data_ptr(), layout.starts, sources):
+            views = layout.views(flat)
+            host_copy.copy_each([(views[k], t) for k, t in adapter.tensors.items()])
+        return Newest(0, None, flat, config=dict(adapter.config), layout=layout)
 
-    def _layout(self, name: str, adapter: LoRAAdapter) -> tuple:
-        """(each tensor's bytes rounded up to 8, their sum, the views' wire.ViewPlan or None)
-        of the name's copies, kept while its layout stays the same (a trainer's every step)."""
+    def _layout(self, name: str, adapter: LoRAAdapter) -> CopyLayout:
+        """The name's copies' CopyLayout, kept while its tensors stay the same (a trainer's
+        every step)."""
         kinds = [(t.dtype, t.shape) for t in adapter.tensors.values()]
         with self._lock:
             kept = self._layouts.get(name)
-        if kept is not None and kept[0] == kinds and kept[1] == list(adapter.tensors):
-            return kept[2]
-        sizes = [-(-t.numel() * t.element_size() // 8) * 8 for t in adapter.tensors.values()]
-        ends = list(itertools.accumulate(sizes))
-        offsets = [(end - size, end - size + t.numel() * t.element_size())
-                   for end, size, t in zip(ends, sizes, adapter.tensors.values())]
-        layout = (sizes, sum(sizes), wire.plan_tensor_views(list(adapter.tensors), kinds,
-                                                             offsets))
+        if kept is not None and kept.kinds == kinds and kept.names == list(adapter.tensors):
+            return kept
+        layout = CopyLayout.of(adapter, kinds)
         with self._lock:
-            self._layouts[name] = (kinds, list(adapter.tensors), layout)
+            self._layouts[name] = layout
         return layout
 
     def spare(self, name: str) -> torch.Tensor | None:

@@ -37,7 +37,7 @@ _PORTABLE = 1
 
 
 def on_device(chunk) -> bool:
-    return isinstance(chunk, torch.Tensor) and chunk.device.type != "cpu"
+    return isinstance(chunk, torch.Tensor) and not chunk.is_cpu  # device.type costs 4x
 
 
 def copy_to_host(dst: torch.Tensor, placed: list[tuple[int, torch.Tensor]],

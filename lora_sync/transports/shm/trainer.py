@@ -104,16 +104,20 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
         base = ctypes.addressof(anchor)
         try:
             offset, copies, sources, on_gpu = 0, [], [], []
+            # One pass of cheap attribute reads per tensor: an MoE adapter has tens of
+            # thousands, and detach() or device.type alone cost more than the rest.
             for chunk in chunks:
                 n = _nbytes(chunk)
                 if offset + n > len(mapping):
                     raise ValueError("the chunks do not fit the lease")
-                if on_device(chunk):
-                    on_gpu.append((offset, chunk))
-                elif isinstance(chunk, torch.Tensor):
-                    src = chunk.detach().contiguous()
-                    sources.append(src)  # alive until copied
-                    copies.append((base + offset, src.data_ptr(), n))
+                if isinstance(chunk, torch.Tensor):
+                    if not chunk.is_cpu:
+                        on_gpu.append((offset, chunk))
+                    else:
+                        if not chunk.is_contiguous():
+                            chunk = chunk.contiguous()
+                            sources.append(chunk)  # alive until copied
+                        copies.append((base + offset, chunk.data_ptr(), n))
                 else:
                     start = len(lead) if offset == 0 else 0
                     mapping[offset + start:offset + n] = chunk[start:]
@@ -220,8 +224,7 @@ def _is_lease_memfd(fd: int) -> bool:
 
 
 def _nbytes(chunk) -> int:
-    return chunk.numel() * chunk.element_size() if isinstance(chunk, torch.Tensor) \
-        else len(chunk)
+    return chunk.nbytes if isinstance(chunk, torch.Tensor) else len(chunk)
 
 
 def total_bytes(chunks: list) -> int:
