@@ -43,9 +43,11 @@ import contextlib
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -54,9 +56,10 @@ from pathlib import Path
 
 import torch
 
-from lora_sync import LoRAAdapter, LoRASyncClient, ModelSpec, check_adapter, wire
+from lora_sync import LoRAAdapter, LoRASyncClient, ModelSpec, check_adapter, http, wire
 from lora_sync import adapter as adapter_module
 from lora_sync.adapter import MAX_TARGETS
+from lora_sync.trainer.fleet import FleetMemory
 from lora_sync.transports.base import PROTOCOL_HEADER, PROTOCOL_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,14 +273,46 @@ def per_tensor_overhead(shape: Shape, reps: int = 3) -> dict:
         collective.unpack_frames(transfer, frames)
         out["broadcast_views"] = _best(lambda: collective.unpack_frames(
             collective.Transfer.plan(parsed.specs, 2, layout=transfer.layout), frames), reps)
+        # the trainer's last steps of an HTTP push: the body onto a socket, and the copy
+        # it keeps for a resync (its layout and buffers known, as from the second push on)
+        chunks = wire.encode(tensors, meta)
+        with _Sink() as sink:
+            out["send"] = _best(lambda: http._send_body(sink.sock, chunks,
+                                                        time.monotonic() + 600), reps)
+        memory = FleetMemory()
+
+        def snapshot():
+            memory.pushed("large", 1, memory.snapshot("large", adapter))
+        snapshot()
+        out["snapshot"] = _best(snapshot, reps)
     wire._KNOWN_ENTRIES.clear()
     wire._entries_json.cache_clear()
     return out
 
 
-OVERHEAD_STEPS = ("adapter", "layout_cold", "layout_cached", "encode", "parse_cold",
-                  "parse_again", "check_cold", "check_again", "view_cold", "view",
-                  "broadcast_decl", "broadcast_views")
+class _Sink:
+    """A local socket whose other end a thread reads and drops."""
+
+    def __enter__(self) -> "_Sink":
+        self.sock, self._peer = socket.socketpair()
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        return self
+
+    def _drain(self) -> None:
+        buf = bytearray(1 << 20)
+        while self._peer.recv_into(buf):
+            pass
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+        self._reader.join(timeout=10)
+        self._peer.close()
+
+
+OVERHEAD_STEPS = ("adapter", "layout_cold", "layout_cached", "encode", "send", "snapshot",
+                  "parse_cold", "parse_again", "check_cold", "check_again", "view_cold",
+                  "view", "broadcast_decl", "broadcast_views")
 
 
 def us_per_tensor(row: dict) -> dict:
