@@ -4,6 +4,7 @@ Both sides call `create_group` (same code, the backend is a parameter: gloo on C
 GPU) and plan the same `Transfer` (buckets, framing) from the tensor specs."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -97,7 +98,7 @@ class Bucket:
     dtype: str
     specs: tuple[TensorSpec, ...]
 
-    @property
+    @functools.cached_property  # asked for per frame, and a bucket may hold thousands
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 

@@ -53,10 +53,14 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        try:  # kept, as the hash is: every push's planning asks again
+            return self._nbytes
+        except AttributeError:
+            n = DTYPES[self.dtype].itemsize
+            for d in self.shape:
+                n *= d
+            object.__setattr__(self, "_nbytes", n)
+            return n
 
     def to_json(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
