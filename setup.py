@@ -21,7 +21,11 @@ setup(
         # lora_sync.integrations.trl subclasses TRL's AsyncGRPOTrainer: pinned to the release
         # it is tested with (lora_sync/server/pins.py, scripts/drift_check.py)
         "trl": ["trl==1.16.0", "peft", "transformers"],
-        "test": ["fastapi", "pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "peft", "transformers", "matplotlib", "tqdm"],
+        # peft pinned to the release the tests were written against (as SGLang's test
+        # environment pins it): 0.22 gathers FSDP2's DTensors itself inside
+        # get_peft_model_state_dict, which tests/sharded_worker.py checks are still shards
+        "test": ["fastapi", "pytest", "pytest-timeout", "pytest-xdist", "hypothesis",
+                 "peft==0.21.2", "transformers", "matplotlib", "tqdm"],
     },
     entry_points={
         "console_scripts": ["lora-sync = lora_sync.trainer.cli:main"],
