@@ -19,6 +19,7 @@ import http.client
 import itertools
 import json
 import socket
+import ssl
 import threading
 import time
 from contextlib import contextmanager
@@ -202,6 +203,11 @@ def _byte_view(chunk) -> memoryview:
 def _send_all(sock: socket.socket, views: list, deadline: float) -> None:
     """`views` (1-D byte views) whole, in order, each sendmsg within what is left of the
     deadline."""
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg: one buffer per call
+        for view in views:
+            sock.settimeout(_remaining(deadline))
+            sock.sendall(view)
+        return
     i = 0
     while i < len(views):
         sock.settimeout(_remaining(deadline))
