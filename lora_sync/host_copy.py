@@ -22,9 +22,9 @@ def copy_each(pairs) -> None:
     """Each (destination, source) pair of tensors of one shape and dtype: by memcpy where
     both are contiguous host tensors, else by torch (a GPU source)."""
     copies, by_torch = [], []
-    for dst, src in pairs:  # cheap attribute reads only: thousands of pairs per push
+    for dst, src in pairs:
         if (_plain_host(dst) and _plain_host(src) and dst.dtype == src.dtype
-                and dst.nbytes == src.nbytes and dst.dim() == src.dim()):
+                and dst.shape == src.shape):
             copies.append((dst.data_ptr(), src.data_ptr(), src.nbytes))
         else:
             by_torch.append((dst, src))

@@ -357,8 +357,10 @@ def pytest_collection_modifyitems(config, items):
         if group not in SERVER_GROUPS:
             raise pytest.UsageError(f"LORA_SYNC_SERVER_GROUP must be one of "
                                     f"{sorted(SERVER_GROUPS)}, not {group!r}")
-        keep = [i for i in items
-                if i.get_closest_marker("server") is None or server_group(i) == group]
-        if len(keep) < len(items):
-            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        keep, other = [], []
+        for item in items:
+            ours = item.get_closest_marker("server") is None or server_group(item) == group
+            (keep if ours else other).append(item)
+        if other:
+            config.hook.pytest_deselected(items=other)
             items[:] = keep

@@ -37,7 +37,8 @@ _PORTABLE = 1
 
 
 def on_device(chunk) -> bool:
-    return isinstance(chunk, torch.Tensor) and not chunk.is_cpu  # device.type costs 4x
+    # is_cpu, not device.type: that builds a device object per call, thousands per push
+    return isinstance(chunk, torch.Tensor) and not chunk.is_cpu
 
 
 def copy_to_host(dst: torch.Tensor, placed: list[tuple[int, torch.Tensor]],
