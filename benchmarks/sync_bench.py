@@ -92,8 +92,10 @@ SERVER_PHASES = ("settle", "receive", "wait", "worker", "handoff", "register")
 WORKER_PARTS = ("intake", "checks", "build")
 TRAINER_CALLS = ("lease", "write")  # shm's steps before its last call
 # Measured and shown, not added: shm's copy into a ready lease runs after its commit went
-# out, inside the server's `receive` (which waits for it to seal the lease).
-WITHIN_RECEIVE = ("copy",)
+# out, inside the server's `receive` (which waits for it to seal the lease); full garbage
+# collections in the API process (`gc`) and the slowest worker (`worker_gc`) ran inside
+# whichever phases they interrupted.
+WITHIN_PHASES = ("copy", "gc", "worker_gc")
 
 
 def attribute(timings: dict, calls_s: float, total_s: float) -> dict:
@@ -103,7 +105,7 @@ def attribute(timings: dict, calls_s: float, total_s: float) -> dict:
     (the trainer's own work around its calls: encoding, threads, the copy it keeps),
     `http` (the last call's round trip beyond the server's own time), `worker_other` and
     `server_other` (the server's time outside its phases: checks of the header, reply)."""
-    phases = {k: timings[k] for k in TRAINER_CALLS + WITHIN_RECEIVE if k in timings}
+    phases = {k: timings[k] for k in TRAINER_CALLS + WITHIN_PHASES if k in timings}
     phases["client"] = total_s - calls_s
     phases["http"] = calls_s - sum(phases.get(k, 0.0) for k in TRAINER_CALLS) \
         - timings["server"]
@@ -445,7 +447,7 @@ def summarize(samples: list[dict]) -> list[dict]:
                      "phases_s": phases,
                      # The median phases' sum against the median wall time (1.0: all of it).
                      "attributed": sum(v for k, v in phases.items()
-                                       if k not in ("total", *WITHIN_RECEIVE))
+                                       if k not in ("total", *WITHIN_PHASES))
                      / _median(totals),
                      "cold_s": _median([s["phases"]["total"] for s in every if s.get("cold")]),
                      "first_completion_s": _median([s.get("first_completion_s") for s in group

@@ -2,7 +2,7 @@
 (no timing is asserted: performance is measured, not tested)."""
 import json
 
-from benchmarks.sync_bench import TRANSPORTS, WITHIN_RECEIVE, goals_report, print_table, run, \
+from benchmarks.sync_bench import TRANSPORTS, WITHIN_PHASES, goals_report, print_table, run, \
     rss_growth, soak
 from lora_sync import LoRASyncClient
 
@@ -35,7 +35,7 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
         assert s["bytes"] > 0 and s["phases"]["total"] > 0
         if s["engine"] != "raw":  # every millisecond is in a named phase
             parts = sum(v for k, v in s["phases"].items()
-                        if k not in ("total", *WITHIN_RECEIVE))
+                        if k not in ("total", *WITHIN_PHASES))
             assert abs(parts - s["phases"]["total"]) < 1e-6, s
     # The rounds that fill the retention window (3 on the test servers) are reported apart.
     vllm_tensors = [s for s in saved["samples"] if (s["engine"], s["transport"]) ==

@@ -9,6 +9,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 
+from lora_sync import full_gc
 from lora_sync.adapter import lora_weights
 from lora_sync.errors import BadRequest
 from lora_sync.messages import IntakeRequest, WorkerReply
@@ -104,6 +105,12 @@ class LoRASyncWorker:
         rank, _ = self.engine.rank()
 
         def work() -> dict:
+            with full_gc.during_push(freeze=True) as collections:
+                reply = take()
+            reply["timings_ms"]["worker_gc"] = collections.ms
+            return reply
+
+        def take() -> dict:
             t0 = time.perf_counter()
             received = transport.receive(intake, self.state)
             if received.read_only and self.engine.reads_at_first_use:
@@ -130,8 +137,9 @@ class LoRASyncWorker:
         return {}
 
     def register(self, adapter_id: int, lora_id: str) -> None:
-        engine_refusal(self.engine.register, adapter_id, self.state.adapters[adapter_id],
-                       lora_id)
+        with full_gc.during_push(freeze=True):
+            engine_refusal(self.engine.register, adapter_id, self.state.adapters[adapter_id],
+                           lora_id)
 
     def free(self, adapter_ids: list) -> dict:
         """Forgets adapters: the engine's cache entry and our in-memory copy."""

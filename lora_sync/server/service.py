@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 
-from .. import adapter_dir, naming
+from .. import adapter_dir, full_gc, naming
 from ..adapter import ModelSpec, check_adapter, check_finite, lora_weights
 from ..errors import BadRequest, Conflict, LoRASyncError, NotFound
 from ..messages import IntakeRequest, WorkerReply
@@ -142,7 +142,14 @@ class AdapterService:
         """stage (the transport) -> check -> install: reserve the version, the workers'
         intake, activate, publish, retire what falls out of the window. Any failure leaves
         the previous versions exactly as they were. `caller`: its quotas are checked before
-        anything is staged, its scope once the name is known."""
+        anything is staged, its scope once the name is known. Full collections wait until
+        the push ends (full_gc); those that ran anyway are its `gc` time."""
+        with full_gc.during_push(freeze=True) as collections:
+            reply = await self._push(transport, request, caller)
+        reply["timings_ms"]["gc"] = collections.ms
+        return reply
+
+    async def _push(self, transport: Transport, request, caller: Caller) -> dict:
         t0 = time.perf_counter()
         ctx = dataclasses.replace(self.contexts[transport.name], receive_body=functools.partial(
             self.access.receive_body, caller=caller))

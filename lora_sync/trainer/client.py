@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import replace
 
-from .. import http, naming, replies
+from .. import full_gc, http, naming, replies
 from . import sharded
 from ..adapter import LoRAAdapter
 from ..api import ADAPTERS_ROUTE, ALIAS_ROUTE, INFO_ROUTE, RETIRE_ROUTE
@@ -167,16 +167,17 @@ class LoRASyncClient:
             raise ValueError(f"transport must be one of {TRANSPORT_CHOICES}, not {transport!r}")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
-        if sharded.multi_rank(group):
-            results = [PushResult.from_json(r) for r in sharded.on_rank0(
-                lambda full: [r.to_json() for r in self._push(full, name, version, transport,
-                                                              checksum)],
-                adapter, group, dtype)]
-        else:
-            adapter = as_adapter(adapter)
-            if dtype is not None:
-                adapter = sharded.gather_adapter(adapter, dtype=dtype)  # one rank: a cast
-            results = self._push(adapter, name, version, transport, checksum)
+        with full_gc.during_push():  # a full collection of the trainer's heap waits too
+            if sharded.multi_rank(group):
+                results = [PushResult.from_json(r) for r in sharded.on_rank0(
+                    lambda full: [r.to_json() for r in self._push(full, name, version,
+                                                                  transport, checksum)],
+                    adapter, group, dtype)]
+            else:
+                adapter = as_adapter(adapter)
+                if dtype is not None:
+                    adapter = sharded.gather_adapter(adapter, dtype=dtype)  # one rank: a cast
+                results = self._push(adapter, name, version, transport, checksum)
         failed = [r.error for r in results if not r.ok]
         if on_error == "raise" and failed:
             # One server: its own error (VersionConflict, Unauthorized, ...); several: all.
