@@ -518,6 +518,20 @@ def start_vllm(shape: Shape):
     return server.start()
 
 
+def start_sglang(shape: Shape):
+    """A real SGLang CPU server on the model `start_vllm` uses, in the model's dtype, with
+    room for two of these adapters in its LoRA pool (its default, 8, would hold 9 GB)."""
+    from benchmarks.sync_bench import start_server
+    from testbed.tiny_model import build_tiny_model
+    model_dir = build_tiny_model(MODELS / f"llama-{shape.layers}x{shape.hidden}x"
+                                 f"{shape.intermediate}", dtype=shape.dtype, **shape.hf_config())
+    return start_server("sglang", model_dir, shape.rank, shape.dtype, env=SERVER_ENV,
+                        extra_args=["--max-loras-per-batch", "2"], start_timeout=1800)
+
+
+STARTS = {"vllm": start_vllm, "sglang": start_sglang}
+
+
 def push_rounds(client, shape: Shape, adapter: LoRAAdapter, engine: str, reps: int,
                 warmup: int, idle_s: float, scratch: Path, transports=TRANSPORTS,
                 label: str = "") -> list[dict]:
@@ -609,10 +623,13 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
-def hostile_on_server(url: str, bodies: dict[str, bytes]) -> list[dict]:
+def hostile_on_server(url: str, bodies: dict[str, bytes], engine: str) -> list[dict]:
+    from lora_sync.engines import ENGINES
+    from lora_sync.transports import tensors
+    route = ENGINES[engine].route("", tensors.ROUTE)
     out = []
     for kind, body in bodies.items():
-        status, code, seconds = post_body(url, "/v1/load_lora_adapter_from_tensors", body)
+        status, code, seconds = post_body(url, route, body)
         out.append({"kind": kind, "bytes": len(body), "status": status, "code": code,
                     "seconds": seconds})
     return out
@@ -628,9 +645,9 @@ def bench_server(args, shapes: list[Shape], out: dict, scratch: Path) -> None:
         print(f"building the adapter: {shape.tensors} tensors, {shape.nbytes / 1e9:.2f} GB",
               flush=True)
         adapter = shape.adapter(seed=1 + i)
-        server = FakeServer(shape, shape.rank) if engine == "fake" else start_vllm(shape)
+        server = FakeServer(shape, shape.rank) if engine == "fake" else STARTS[engine](shape)
         try:
-            with LoRASyncClient(server.url, engine="vllm", api_key=API_KEY,
+            with LoRASyncClient(server.url, engine=server.engine, api_key=API_KEY,
                                 timeout=600) as client:
                 client.init_group(timeout_s=300)
                 samples += push_rounds(client, shape, adapter, engine,
@@ -642,7 +659,8 @@ def bench_server(args, shapes: list[Shape], out: dict, scratch: Path) -> None:
                 client.destroy_group()
                 if i == 0:
                     bodies = {k: hostile_header(k) for k in ("junk", "peft", "widest")}
-                    out["hostile_server"] = hostile_on_server(server.url, bodies)
+                    out["hostile_server"] = hostile_on_server(server.url, bodies,
+                                                              server.engine)
         finally:
             server.stop()
         del adapter
@@ -663,7 +681,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=("overhead", "server"), help="one part only")
-    p.add_argument("--engine", choices=("fake", "vllm"), default="fake")
+    p.add_argument("--engine", choices=("fake", *STARTS), default="fake")
     p.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--idle", type=float, default=0.5, help="seconds before each push")

@@ -158,16 +158,23 @@ def first_completion(client, served: str, transport: str) -> tuple[float, float 
     return wall, (wall - (after - before) if after is not None else None)
 
 
-def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str):
+def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str, env=None,
+                 extra_args=(), start_timeout: float | None = None):
+    if engine == "sglang":
+        # SGLang on CPU needs the sgl-kernel stand-in, as the tests' servers do.
+        server = sglang_server(model_dir, max_lora_rank=max_rank,
+                               extra_args=["--dtype", dtype, *extra_args],
+                               python=str(SGLANG_PYTHON),
+                               env={**(env or {}), "PYTHONPATH": SGLANG_TEST_PATH})
+        server.start_timeout = start_timeout or server.start_timeout
+        return server.start()
     if engine == "vllm":
         # vLLM's own unload route leaves a disk adapter in the worker's cache (vllm#54839);
         # lora-sync evicts it after the unload (Registry.evict_when_idle), off every
         # push's path. The small cache bounds what a run leaves cached all the same: while
         # disk adapters pile up the disk route slows down (docs/benchmarks.md, "Method").
         return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8).start()
-    # SGLang on CPU needs the sgl-kernel stand-in, as the tests' servers do (SGLANG_TEST_PATH).
-    return sglang_server(model_dir, max_lora_rank=max_rank, extra_args=["--dtype", dtype],
-                         python=str(SGLANG_PYTHON), env={"PYTHONPATH": SGLANG_TEST_PATH}).start()
+    raise ValueError(f"unknown engine {engine!r}")
 
 
 def bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar) -> list[dict]:

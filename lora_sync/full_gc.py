@@ -17,6 +17,9 @@ multimodal steps):
 
 `during_push` also counts the full collections that ran anyway (an explicit gc.collect,
 another thread's block ending): the push's `gc` time, in its timings.
+
+LORA_SYNC_FULL_GC=engine (in the server's or the trainer's environment) leaves the
+collector as the engine or the trainer set it, and still counts: the A/B of this module.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import threading
 import time
 
 NEVER = 2 ** 31 - 1  # threshold2: no full collection starts by itself
+MODES = ("defer", "engine")
 
 _lock = threading.Lock()
 _blocks = 0                 # pushes in flight in this process
@@ -62,26 +66,44 @@ class Block:
 def during_push(freeze: bool = False):
     """A push in this process: full collections wait until the last one ends. `freeze`:
     the process is a server's, whose start-up heap is frozen at its first push."""
-    global _blocks, _thresholds
     _install()
-    if freeze:
-        _freeze_once()
+    deferring = mode() == "defer"
+    if deferring:
+        if freeze:
+            _freeze_once()
+        _defer()
     pid = os.getpid()
-    with _lock:
-        if _blocks == 0:
-            _thresholds = gc.get_threshold()
-            gc.set_threshold(_thresholds[0], _thresholds[1], NEVER)
-        _blocks += 1
     block = Block()
     try:
         yield block
     finally:
         block.end()
-        if os.getpid() == pid:  # a child forked meanwhile restored its own (_after_fork)
-            with _lock:
-                _blocks -= 1
-                if _blocks == 0:
-                    gc.set_threshold(*_thresholds)
+        if deferring and os.getpid() == pid:  # a forked child restored its own (_after_fork)
+            _resume()
+
+
+def _defer() -> None:
+    global _blocks, _thresholds
+    with _lock:
+        if _blocks == 0:
+            _thresholds = gc.get_threshold()
+            gc.set_threshold(_thresholds[0], _thresholds[1], NEVER)
+        _blocks += 1
+
+
+def _resume() -> None:
+    global _blocks
+    with _lock:
+        _blocks -= 1
+        if _blocks == 0:
+            gc.set_threshold(*_thresholds)
+
+
+def mode() -> str:
+    value = os.environ.get("LORA_SYNC_FULL_GC", "defer")
+    if value not in MODES:
+        raise ValueError(f"LORA_SYNC_FULL_GC must be one of {MODES}, not {value!r}")
+    return value
 
 
 def _install() -> None:

@@ -7,6 +7,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from lora_sync import full_gc
 
 
@@ -135,3 +137,19 @@ def test_a_child_forked_inside_a_push_collects_as_before():
         print(child, gc.get_threshold() == before)
     """)
     assert out == "True True"
+
+
+def test_engine_mode_leaves_the_collector_alone_and_still_counts(monkeypatch):
+    monkeypatch.setenv("LORA_SYNC_FULL_GC", "engine")
+    before = gc.get_threshold()
+    with full_gc.during_push(freeze=True) as block:
+        assert gc.get_threshold() == before
+        gc.collect()
+    assert block.ms > 0.0
+
+
+def test_an_unknown_mode_stops_the_server_at_start_up(monkeypatch):
+    from lora_sync.server.settings import Settings
+    monkeypatch.setenv("LORA_SYNC_FULL_GC", "off")
+    with pytest.raises(ValueError, match="LORA_SYNC_FULL_GC .*'off'"):
+        Settings.from_env()

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from ..api import API_KEY_ENV  # noqa: F401 - the operator's key, named once (lora_sync/api.py)
+from .. import full_gc
 from ..staging import BodyLimits
 
 MB = 2 ** 20
@@ -140,6 +141,7 @@ class Settings:
         if settings.socket_body:
             from .socket_body import check
             check()  # fails at start-up on a uvicorn we did not check
+        full_gc.mode()  # LORA_SYNC_FULL_GC: a value it does not know fails at start-up
         return settings
 
     @property
