@@ -173,9 +173,21 @@ def same_bytes(shape: Shape, layers: int) -> Shape:
     return wide
 
 
+def near_bytes(shape: Shape, layers: int, multiple: int = 16) -> Shape:
+    """`shape` with `layers` layers and the intermediate size (a multiple of `multiple`, as
+    the engines' kernels like it) whose bytes come nearest: more tensors than `same_bytes`
+    can fold into, since attention's share of a layer stays."""
+    fixed = replace(shape, layers=1, intermediate=0).nbytes
+    step = replace(shape, layers=1, intermediate=1).nbytes - fixed
+    wide = (shape.nbytes / layers - fixed) / step
+    return replace(shape, layers=layers, intermediate=round(wide / multiple) * multiple)
+
+
 LARGE = Shape()
 # The same bytes in a tenth of the tensors: 72 layers, an 11x wider MLP (intermediate 39,680).
 FEW = same_bytes(LARGE, 72)
+# Twice the tensors in the same bytes (+0.3%): 1,440 layers, intermediate 1,584.
+MANY = near_bytes(LARGE, 1440)
 QUICK = replace(LARGE, layers=72)
 # The per-tensor scan: small shapes, so 100,000 tensors are 117 MB.
 SCAN = Shape(layers=72, hidden=128, intermediate=256, rank=4)
@@ -582,19 +594,44 @@ def server_overhead(rows: list[dict]) -> list[dict]:
         ph = r["phases_s"]
         out.append({"label": r.get("label", ""), "transport": r["transport"],
                     "tensors": r["rank"], "bytes": r["mb"] * 1e6,
-                    **{k: ph.get(k, 0.0) for k in ("receive", "intake", "checks", "build",
-                                                   "register", "server_other", "total")}})
+                    **{k: ph.get(k, 0.0) for k in PHASE_KEYS}})
     return out
 
 
+PHASE_KEYS = ("receive", "intake", "checks", "build", "register", "server_other", "client",
+              "total")
+
+
 def phase_table(rows: list[dict]) -> str:
-    keys = ("receive", "intake", "checks", "build", "register", "server_other", "total")
-    lines = ["server phases per push (median ms, and us per tensor)",
-             f"{'transport':10} {'tensors':>7} {'MB':>7}" + "".join(f" {k:>17}" for k in keys)]
+    lines = ["push phases (median ms, and us per tensor)",
+             f"{'transport':10} {'tensors':>7} {'MB':>7}" +
+             "".join(f" {k:>17}" for k in PHASE_KEYS)]
     for r in rows:
-        cells = "".join(f" {r[k] * 1e3:7.1f} ({r[k] * 1e6 / r['tensors']:6.2f})" for k in keys)
+        cells = "".join(f" {r[k] * 1e3:7.1f} ({r[k] * 1e6 / r['tensors']:6.2f})"
+                        for k in PHASE_KEYS)
         lines.append(f"{r['transport']:10} {r['tensors']:>7} {r['bytes'] / 1e6:7.0f}{cells}")
-    return "\n".join(lines)
+    return "\n".join(lines + per_extra_tensor(rows))
+
+
+def per_extra_tensor(rows: list[dict]) -> list[str]:
+    """Each transport's cost per tensor: what a push of the same bytes in more tensors costs
+    more, over the extra tensors (us), against its fewest-tensor row. `ours`: all of it but
+    the engine's own registration (the bytes cost the same in both rows)."""
+    lines = []
+    for transport in dict.fromkeys(r["transport"] for r in rows):
+        mine = sorted((r for r in rows if r["transport"] == transport),
+                      key=lambda r: r["tensors"])
+        base = mine[0]
+        for r in mine[1:]:
+            extra = r["tensors"] - base["tensors"]
+            d = {k: (r[k] - base[k]) * 1e6 / extra for k in PHASE_KEYS}
+            ours = d["total"] - d["register"]
+            lines.append(f"per extra tensor, {transport} {base['tensors']} -> {r['tensors']}: "
+                         f"lora-sync's own {ours:.1f} us (engine's registration "
+                         f"{d['register']:.1f}; " +
+                         ", ".join(f"{k} {d[k]:.1f}" for k in PHASE_KEYS[:-1]
+                                   if k != "register") + ")")
+    return lines
 
 
 def goals(rows: list[dict]) -> list[str]:
@@ -635,13 +672,14 @@ def hostile_on_server(url: str, bodies: dict[str, bytes], engine: str) -> list[d
     return out
 
 
-def bench_server(args, shapes: list[Shape], out: dict, scratch: Path) -> None:
-    """Pushes of each shape to a fake or vLLM server of its own (one after the other); the
-    first shape's server also gets the RSS soak and the hostile headers. Fills `out`."""
+def bench_server(args, shapes: dict[str, Shape], out: dict, scratch: Path) -> None:
+    """Pushes of each shape (by label) to a fake, vLLM or SGLang server of its own (one after
+    the other); the first shape's server also gets the RSS soak and the hostile headers.
+    Fills `out`."""
     from benchmarks.sync_bench import print_table, summarize
     samples, engine = [], args.engine
-    for i, shape in enumerate(shapes):
-        label = "" if i == 0 else "few"
+    for i, (name, shape) in enumerate(shapes.items()):
+        label = "" if name == "large" else name
         print(f"building the adapter: {shape.tensors} tensors, {shape.nbytes / 1e9:.2f} GB",
               flush=True)
         adapter = shape.adapter(seed=1 + i)
@@ -686,8 +724,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--idle", type=float, default=0.5, help="seconds before each push")
     p.add_argument("--soak", type=int, default=50, help="pushes with the RSS sampled (0 or 15-50)")
-    p.add_argument("--shapes", nargs="+", choices=("large", "few"), default=["large", "few"],
-                   help="large: 10,080 tensors; few: the same bytes in 1,008 (default both)")
+    p.add_argument("--shapes", nargs="+", choices=("large", "few", "many"),
+                   default=["large", "few"],
+                   help="large: 10,080 tensors; few: the same bytes in 1,008; many: in 20,160 "
+                        "(+0.3%%) (default large few)")
     p.add_argument("--counts", type=int, nargs="+", default=list(SCAN_COUNTS))
     p.add_argument("--quick", action="store_true", help="1,008 tensors (110 MB), 2 rounds")
     p.add_argument("--out", default=str(REPO / "runs" / "large_adapter"))
@@ -736,8 +776,9 @@ def main(argv=None) -> int:
         scratch = Path(tempfile.mkdtemp(prefix="lora-large-bench-"))
         try:
             shapes = {"large": shape, "few": same_bytes(shape, shape.layers // 10
-                                                        if not args.quick else 18)}
-            bench_server(args, [shapes[k] for k in args.shapes], result, scratch)
+                                                        if not args.quick else 18),
+                      "many": near_bytes(shape, shape.layers * 2)}
+            bench_server(args, {k: shapes[k] for k in args.shapes}, result, scratch)
         finally:
             import shutil
             shutil.rmtree(scratch, ignore_errors=True)

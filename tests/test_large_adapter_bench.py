@@ -130,3 +130,19 @@ def test_a_soak_too_short_to_sample_is_refused_before_anything_runs(soak, capsys
     with pytest.raises(SystemExit):
         bench.main(["--soak", soak, "--out", "/nonexistent/never-made"])
     assert "--soak takes 0 (none) or at least 15 pushes" in capsys.readouterr().err
+
+
+def test_cost_per_extra_tensor_leaves_out_the_engines_registration():
+    """Same bytes in 10,080 and 20,160 tensors: 50.4 ms more in all, 30.24 of it the engine's
+    registration, so 2.0 us of lora-sync's own per extra tensor."""
+    def row(tensors, total, register, intake):
+        phases = {k: 0.0 for k in bench.PHASE_KEYS}
+        phases.update(total=total, register=register, intake=intake)
+        return {"engine": "sglang", "transport": "shm", "rank": tensors, "mb": 1109.0,
+                "phases_s": phases, "label": ""}
+    rows = bench.server_overhead([row(20_160, 0.4504, 0.2302, 0.03),
+                                  row(10_080, 0.4, 0.2, 0.01)])
+    [line] = bench.per_extra_tensor(rows)
+    assert line.startswith("per extra tensor, shm 10080 -> 20160: lora-sync's own 2.0 us "
+                           "(engine's registration 3.0;")
+    assert "intake 2.0" in line
