@@ -149,11 +149,7 @@ class LoRAAdapter:
 
     @classmethod
     def from_peft_model(cls, model, adapter_name: str = "default") -> "LoRAAdapter":
-        from peft import get_peft_model_state_dict
-        # LoRA weights only: not the vocabulary layers' base weights PEFT adds by default
-        # when it adapts them (save_embedding_layers), which no engine reads.
-        state = get_peft_model_state_dict(model, adapter_name=adapter_name,
-                                          save_embedding_layers=False)
+        state = peft_state(model, adapter_name)
         config = model.peft_config[adapter_name].to_dict()
         # LoRA on fused experts (target_parameters) travels in the engines' per-expert form.
         tensors, config = moe.per_expert({k: v.detach() for k, v in state.items()}, config,
@@ -800,3 +796,34 @@ def _check_adapter(specs: list[wire.TensorSpec], config: dict, model: ModelSpec)
     check_coverage(halves, model.coverage)
     check_whole_experts(halves, model)
     return cfg
+
+
+def peft_state(model, adapter_name: str = "default") -> dict:
+    """A PEFT model's adapter tensors, named as PEFT saves them: LoRA weights only (not the
+    vocabulary layers' base weights PEFT adds when it adapts them, save_embedding_layers,
+    which no engine reads), still sharded under FSDP2. PEFT 0.22 gathers every DTensor
+    itself, one collective per tensor with a full copy on every rank; it is handed the shards'
+    local tensors instead and its picks get their DTensors back (sharded.gather_adapter
+    then gathers them in one flat collective)."""
+    from peft import get_peft_model_state_dict
+    pick = functools.partial(get_peft_model_state_dict, model, adapter_name=adapter_name,
+                             save_embedding_layers=False)
+    state = model.state_dict()
+    shards = {k: v for k, v in state.items() if _is_dtensor(v)}
+    if not shards:
+        return pick()
+    local = {k: shards[k].to_local() if k in shards else v for k, v in state.items()}
+    sharded = {id(local[k]): v for k, v in shards.items()}
+    plain = {id(v) for k, v in state.items() if k not in shards}
+    picked = pick(state_dict=local)
+    if all(id(v) in sharded or id(v) in plain for v in picked.values()):
+        return {k: sharded.get(id(v), v) for k, v in picked.items()}
+    return pick()  # PEFT made tensors of its own (a kind it transforms): its gather is right
+
+
+def _is_dtensor(t) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+

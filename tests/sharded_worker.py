@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lora_sync import LoRAAdapter
-from lora_sync.adapter import sibling_order
+from lora_sync.adapter import peft_state, sibling_order
 from lora_sync.trainer import sharded
 from lora_sync.trainer.sharded import gather_adapter, share_result
 from testbed.tiny_model import build_tiny_model, make_lora
@@ -82,7 +82,9 @@ def main(out: Path) -> None:
     replica = make_lora(model_dir, rank=RANK_R, target_modules=TARGETS)
     initial = {k: v.clone() for k, v in LoRAAdapter.from_peft_model(replica).tensors.items()}
 
-    state = get_peft_model_state_dict(model)
+    # Still shards, whatever PEFT does with DTensors (0.22 gathers each itself; 0.21 not).
+    state = peft_state(model)
+    assert sorted(state) == sorted(get_peft_model_state_dict(model))
     not_dt = [k for k, v in state.items() if not isinstance(v, DTensor)]
     assert state and not not_dt, f"expected DTensors under fully_shard, plain: {not_dt}"
     a_key = next(k for k in state if "lora_A" in k)
@@ -111,7 +113,7 @@ def main(out: Path) -> None:
     gathered = gather_adapter(model)
     assert not any(slow), f"FSDP2 shards took the one-by-one path: {slow}"
     report["gather_ms_r8"] = (time.perf_counter() - t0) * 1e3
-    state = get_peft_model_state_dict(model)
+    state = peft_state(model)
     direct = {k: state[k].full_tensor().detach() for k in sorted(state)}  # reference 1
     from_plain = gather_adapter(replica)  # plain tensors under a 2-rank group
     from_adapter = gather_adapter(LoRAAdapter.from_peft_model(model))  # DTensors in an adapter

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..adapter import LoRAAdapter
+from ..adapter import LoRAAdapter, peft_state
 from ..errors import LoRASyncError, error_from_json
 
 # The dtypes the wire format carries (wire.DTYPES); strings are what configs/CLIs pass.
@@ -35,8 +35,7 @@ def gather_adapter(model_or_adapter, group=None, dtype=None,
     if isinstance(model_or_adapter, LoRAAdapter):
         tensors, config = model_or_adapter.tensors, model_or_adapter.config
     else:
-        from peft import get_peft_model_state_dict
-        tensors = get_peft_model_state_dict(model_or_adapter, adapter_name=adapter_name)
+        tensors = peft_state(model_or_adapter, adapter_name)
         config = model_or_adapter.peft_config[adapter_name].to_dict()
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
