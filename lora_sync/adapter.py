@@ -237,7 +237,7 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name, t in tensors.items():
         h.update(name.encode())
-        h.update(wire._as_bytes(t))
+        h.update(wire.as_bytes(t))
     return "sha256:" + h.hexdigest()
 
 

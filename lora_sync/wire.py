@@ -110,7 +110,7 @@ class Header:
         return self.data_start + (self.offsets[-1][1] if self.offsets else 0)
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def as_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a tensor's memory (bf16 included), copied to the host first
     where it is not there, or not contiguous."""
     if not t.is_cpu or not t.is_contiguous():
@@ -151,7 +151,7 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
     """Returns the safetensors file as a list of chunks: header bytes, then one byte view per
     tensor (no copy of tensor memory). `b"".join(chunks)` is the complete file."""
     header, *parts = layout(tensors, metadata)
-    return [header] + [_as_bytes(t) for t in parts]
+    return [header] + [as_bytes(t) for t in parts]
 
 
 def encode_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

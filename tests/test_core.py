@@ -44,7 +44,7 @@ def test_a_layout_written_again_reads_back_with_its_own_metadata(tensors):
     with that step's metadata, is still one safetensors reads back exactly."""
     for step in range(3):
         parts = wire.layout(tensors, {"lora_name": "x", "version": step})
-        body = b"".join([parts[0], *(wire._as_bytes(t) for t in parts[1:])])
+        body = b"".join([parts[0], *(wire.as_bytes(t) for t in parts[1:])])
         assert st_load(body).keys() == tensors.keys()
         assert all(torch.equal(st_load(body)[k], v) for k, v in tensors.items())
         assert wire.parse_header(body).metadata == {"lora_name": "x", "version": str(step)}

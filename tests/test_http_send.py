@@ -18,7 +18,7 @@ from lora_sync import http, wire
 
 
 def _chunks(seed: int) -> list:
-    """Bytes, bytearrays, empty chunks, tensor views (wire._as_bytes, bf16 included) and
+    """Bytes, bytearrays, empty chunks, tensor views (wire.as_bytes, bf16 included) and
     one chunk of several MB, which a small send buffer takes in many partial sends."""
     rng = random.Random(seed)
     out = []
@@ -31,7 +31,7 @@ def _chunks(seed: int) -> list:
             out.append(bytearray(rng.randbytes(n)))
         elif kind == 2:
             dtype = rng.choice([torch.float32, torch.bfloat16])
-            out.append(wire._as_bytes(torch.randn(n // 4 + 1, generator=torch.Generator()
+            out.append(wire.as_bytes(torch.randn(n // 4 + 1, generator=torch.Generator()
                                                   .manual_seed(i)).to(dtype)))
         else:
             out.append(memoryview(rng.randbytes(n)))

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ... import http, pages
+from ... import http, pages, wire
 from ...host_copy import memmove_each as _memmove
 from ..base import SendContext, Server, Unavailable
 from ..device_copy import HostPin, copy_to_host, on_device
@@ -193,8 +193,8 @@ def write_lease(lease: Lease, chunks: list) -> int | None:
 
 def _pwrite_all(fd: int, chunks: list) -> None:
     """Host bytes and CPU tensors into the file from offset 0, a few hundred per call."""
-    views = [memoryview(c.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-             if isinstance(c, torch.Tensor) else memoryview(c) for c in chunks]
+    views = [wire.as_bytes(c) if isinstance(c, torch.Tensor) else memoryview(c)
+             for c in chunks]
     views = [v for v in views if v.nbytes]
     offset = 0
     for first in range(0, len(views), _IOV_MAX):
