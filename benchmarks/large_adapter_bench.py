@@ -471,8 +471,10 @@ def serve_fake(shape: Shape, port: int, max_rank: int) -> int:
         return spec
     bridge = server.bridge
     bridge.model_spec, bridge.max_rank = model_spec, max_rank
+    bridge.freezes_heap = True  # a process of its own, standing for an engine's
     for w in bridge.workers:
         w.engine.build = _light_build(w.engine)
+        w.engine.freezes_heap = True
     bridge.disk_weights = light_digest
     return serve_until_signalled(server)
 

@@ -67,13 +67,13 @@ def during_push(freeze: bool = False):
     """A push in this process: full collections wait until the last one ends. `freeze`:
     the process is a server's, whose start-up heap is frozen at its first push."""
     _install()
+    block = Block()  # the freeze's one collection is this push's too
     deferring = mode() == "defer"
     if deferring:
         if freeze:
             _freeze_once()
         _defer()
     pid = os.getpid()
-    block = Block()
     try:
         yield block
     finally:

@@ -43,6 +43,8 @@ COVERAGE = Coverage("SGLang", (
 
 
 class SGLangBridge(EngineBridge):
+    freezes_heap = True  # SGLang does not freeze its own (only on a FreezeGCReq)
+
     def __init__(self, tokenizer_manager):
         self.tm = tokenizer_manager
         self.channel = engine_api.SchedulerChannel(tokenizer_manager)

@@ -153,3 +153,29 @@ def test_an_unknown_mode_stops_the_server_at_start_up(monkeypatch):
     monkeypatch.setenv("LORA_SYNC_FULL_GC", "off")
     with pytest.raises(ValueError, match="LORA_SYNC_FULL_GC .*'off'"):
         Settings.from_env()
+
+
+def test_only_a_server_of_its_own_process_freezes_it():
+    """An in-process server (a test's, on the FAKE engine) leaves the heap of the process it
+    runs in as it was; an engine's bridge and workers (freezes_heap) freeze theirs."""
+    out = _run("""
+        import gc, torch
+        from lora_sync import LoRAAdapter, LoRASyncClient
+        from testbed.tiny_model import TINY_CONFIG
+        from tests.engine_fakes import FakeEngineServer
+        hidden = TINY_CONFIG["hidden_size"]
+        module = "base_model.model.model.layers.0.self_attn.q_proj"
+        adapter = LoRAAdapter({f"{module}.lora_A.weight": torch.randn(2, hidden),
+                               f"{module}.lora_B.weight": torch.randn(hidden, 2)},
+                              {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]})
+        with FakeEngineServer() as server, LoRASyncClient(
+                server.url, engine=server.engine, api_key=server.api_key) as client:
+            client.push(adapter, "a", transport="tensors")
+            in_process = gc.get_freeze_count()
+            server.bridge.freezes_heap = True
+            for w in server.bridge.workers:
+                w.engine.freezes_heap = True
+            [result] = client.push(adapter, "a", transport="tensors")
+        print(in_process, gc.get_freeze_count() > 10_000, result.reply["timings_ms"]["gc"] > 0)
+    """)
+    assert out == "0 True True"  # the freeze's one collection is the push's gc time

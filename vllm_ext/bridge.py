@@ -30,6 +30,8 @@ COVERAGE = Coverage("vLLM", (FusedLayer("qkv_proj", ("q_proj", "k_proj", "v_proj
 
 
 class VLLMBridge(EngineBridge):
+    freezes_heap = True  # vLLM froze it at start-up already: full_gc leaves it so
+
     def __init__(self, engine_client, app_state):
         self.engine = engine_client
         self.state = app_state

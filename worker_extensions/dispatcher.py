@@ -32,6 +32,9 @@ class WorkerEngine(ABC):
     # (SGLang copies them into its memory pool then): the page tables of a mapped body are
     # filled on a thread from intake on, not by that request's faults.
     reads_at_first_use: bool = False
+    # True in an engine's worker process: its heap is frozen at the first push unless the
+    # engine froze it (full_gc), as EngineBridge.freezes_heap.
+    freezes_heap: bool = False
 
     @abstractmethod
     def rank(self) -> tuple[int, int]:
@@ -105,7 +108,7 @@ class LoRASyncWorker:
         rank, _ = self.engine.rank()
 
         def work() -> dict:
-            with full_gc.during_push(freeze=True) as collections:
+            with full_gc.during_push(freeze=self.engine.freezes_heap) as collections:
                 reply = take()
             reply["timings_ms"]["worker_gc"] = collections.ms
             return reply
@@ -137,7 +140,7 @@ class LoRASyncWorker:
         return {}
 
     def register(self, adapter_id: int, lora_id: str) -> None:
-        with full_gc.during_push(freeze=True):
+        with full_gc.during_push(freeze=self.engine.freezes_heap):
             engine_refusal(self.engine.register, adapter_id, self.state.adapters[adapter_id],
                            lora_id)
 

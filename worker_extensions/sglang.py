@@ -16,6 +16,7 @@ class SGLangWorkerEngine(WorkerEngine):
     # into its memory pool and applies the scaling there, out of place
     # (sglang/srt/lora/lora.py, mem_pool.py in 0.5.23).
     maps_read_only = True
+    freezes_heap = True  # SGLang does not freeze its own (only on a FreezeGCReq)
     # Its memory pool takes an adapter's weights at the first batch that uses it
     # (mem_pool.py load_lora_weight_to_buffer).
     reads_at_first_use = True

@@ -18,6 +18,7 @@ class VLLMWorkerEngine(WorkerEngine):
     # build leaves lora_B's scaling to our slot writer, or folds it itself (out of place when
     # read-only), so vLLM's own optimize() never writes; its other steps only read the tensors.
     maps_read_only = True
+    freezes_heap = True  # vLLM froze it at start-up already: full_gc leaves it so
 
     def __init__(self, vllm_worker):
         self.worker = vllm_worker

@@ -21,6 +21,10 @@ class EngineBridge(ABC):
     no client can name another registration's cache key."""
 
     nonce: str = ""
+    # True in a server's own process (an engine's API process): its heap is frozen at the
+    # first push unless the engine froze it (full_gc). Never where the process is not the
+    # server's to freeze (an in-process server of a test, a trainer's).
+    freezes_heap: bool = False
 
     def identity(self, adapter_id: int) -> str:
         if not self.nonce:

@@ -144,7 +144,7 @@ class AdapterService:
         the previous versions exactly as they were. `caller`: its quotas are checked before
         anything is staged, its scope once the name is known. Full collections wait until
         the push ends (full_gc); those that ran anyway are its `gc` time."""
-        with full_gc.during_push(freeze=True) as collections:
+        with full_gc.during_push(freeze=self.bridge.freezes_heap) as collections:
             reply = await self._push(transport, request, caller)
         reply["timings_ms"]["gc"] = collections.ms
         return reply
