@@ -34,3 +34,11 @@ class Yielding:
                 os.setpriority(os.PRIO_PROCESS, self._tid, self._own)
             except OSError:
                 pass
+
+    def drop(self) -> None:
+        """`lower` again, from a thread that no longer waits for the worker's work."""
+        if self._tid is not None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, self._tid, LOWEST)
+            except OSError:
+                pass

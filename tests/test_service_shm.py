@@ -333,6 +333,43 @@ def test_a_push_before_its_ready_lease_is_granted_leases_the_usual_way(
         assert open_leases(c) == 0
 
 
+def test_a_push_waits_for_its_ready_lease_no_longer_than_a_fresh_one_costs(
+        make_fake_server, make_adapter, monkeypatch):
+    """A lease readied ahead whose mapping is slow (huge pages being assembled: seconds for
+    a 1 GB lease) holds the next push no longer than leasing afresh would cost: the push
+    leases the usual way and serves its adapter, and the slow lease is cancelled at once,
+    its mapping dropped when done, no lease left behind."""
+    from lora_sync.transports.shm import ready_lease
+    real = ready_lease.map_lease
+    slow, mapping, mapped = threading.Event(), threading.Event(), threading.Event()
+
+    def map_lease(lease, **kw):  # called once the client knows the lease is granted
+        if slow.is_set():
+            mapping.set()
+            time.sleep(3.0)
+            mapped.set()
+        return real(lease, **kw)
+    monkeypatch.setattr(ready_lease, "map_lease", map_lease)
+    server = make_fake_server()
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        c.push(make_adapter(seed=980), "slow", transport="shm")
+        wait_until(lambda: c.states["shm"].ready.count() == 1, what="a lease ready")
+        slow.set()
+        c.push(make_adapter(seed=981), "slow", transport="shm")  # into it; the next is slow
+        assert mapping.wait(10)  # the next lease: granted, being mapped
+        [res] = c.push(make_adapter(seed=982), "slow", transport="shm")
+        assert not mapped.is_set()  # it did not wait for that mapping to end
+        assert "copy" not in res.reply["timings_ms"]  # a fresh lease, written before commit
+        assert greedy(c, "slow") == served_text(make_adapter(seed=982))
+        slow.clear()
+        wait_until(lambda: c.states["shm"].ready.count() == open_leases(c) == 1,
+                   timeout_s=10, what="the slow one gone, the next one ready")
+        [res] = c.push(make_adapter(seed=983), "slow", transport="shm")
+        assert "copy" in res.reply["timings_ms"]  # into the lease readied since
+    with LoRASyncClient(server.url, api_key=server.api_key) as c:
+        assert open_leases(c) == 0
+
+
 def test_a_ready_lease_held_for_the_frees_outlasts_a_short_client_timeout(
         make_fake_server, make_adapter, monkeypatch):
     """The server may hold a lease asked for ahead until the retired versions go: a client

@@ -16,6 +16,12 @@ and readying them does not run beside the first requests on the version just pus
 that comes before that grant does not wait for it: it leases the usual way (which frees the
 retired versions at once) and the late grant is cancelled.
 
+A push that comes while its lease is still being mapped waits for it (its priority lifted)
+no longer than a fresh lease would cost it (`fresh_lease_s`): mapping a large one takes
+seconds where huge pages must be assembled first, far more than writing into fresh pages.
+It then cancels that lease (its staging memory back at once; the mapping is dropped when
+done) and leases the usual way.
+
 One ready lease per server: a push of another name or size finds none (the one it finds is
 cancelled), and readies its own."""
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
 from ... import http, replies
@@ -44,6 +51,15 @@ CALL_TIMEOUT_S = 10.0
 # before it: a thread that starts at once can hold the GIL from the returning push for a
 # whole switch interval (`sys.getswitchinterval()`).
 START_DELAY_S = 0.02
+# What a fresh lease costs a push, beyond a round trip: writing into fresh 4 KiB pages runs
+# at 2 GB/s or more on a host of two cores (a bound, not a measurement of this host).
+FRESH_LEASE_S_PER_BYTE = 0.5e-9
+FRESH_LEASE_MIN_S = 0.02
+
+
+def fresh_lease_s(nbytes: int) -> float:
+    """The longest a push waits for its lease being readied: what leasing afresh costs."""
+    return FRESH_LEASE_MIN_S + nbytes * FRESH_LEASE_S_PER_BYTE
 
 
 @dataclass
@@ -52,6 +68,8 @@ class _Slot:
     future: Future | None = None
     granted: bool = False    # the server granted it: it is being mapped, soon ready
     abandoned: bool = False  # nobody waits for it: cancelled once granted
+    lease: Lease | None = None      # once granted
+    mapped: bool = False     # its mapping is done: a push takes it whatever it waited
 
     def abandon_if_ungranted(self) -> bool:
         """Under the owner's lock: True (and abandoned) while the server has not granted it."""
@@ -101,7 +119,11 @@ class ReadyLeases:
             if slot is not None and slot.abandon_if_ungranted():
                 return None
         if slot is not None and not slot.future.done():
-            self._priority.lift()  # this push waits for it now
+            self._priority.lift()  # this push waits for it now, as long as a fresh one costs
+            if not self._wait_mapped(slot, nbytes):
+                self._priority.drop()  # the rest of its mapping yields to this push again
+                self._cancel(server, slot.lease)  # its staging back now; _ready unmaps it
+                return None
         ready = slot.future.result() if slot is not None else None  # time-bounded calls
         if ready is None:
             return None
@@ -110,6 +132,17 @@ class ReadyLeases:
             return ready
         self._discard(ready)
         return None
+
+    def _wait_mapped(self, slot: _Slot, nbytes: int) -> bool:
+        """False, with the slot abandoned, when its mapping is not done within what a fresh
+        lease of `nbytes` would cost."""
+        try:
+            slot.future.result(timeout=fresh_lease_s(nbytes))
+            return True
+        except FutureTimeout:
+            with self._lock:
+                slot.abandoned = not slot.mapped
+                return not slot.abandoned
 
     def want(self, server: Server, name: str, nbytes: int, pin: bool = False) -> None:
         """Asks for the next lease of `name` on `server`, readied once `start` is called:
@@ -176,6 +209,7 @@ class ReadyLeases:
             return None
         with self._lock:
             slot.granted = not slot.abandoned
+            slot.lease = lease
         if not slot.granted:  # a push went on without it
             self._cancel(server, lease)
             return None
@@ -189,6 +223,11 @@ class ReadyLeases:
             self._cancel(server, lease)
             return None
         ready = ReadyLease(server, name, lease, *mapped, HostPin.of(mapped[0]) if pin else None)
+        with self._lock:
+            slot.mapped = not slot.abandoned
+        if not slot.mapped:  # the push waited no longer and cancelled it
+            ready.close()
+            return None
         self._renew_later(ready)
         return ready
 
