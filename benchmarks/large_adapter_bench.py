@@ -600,8 +600,9 @@ def server_overhead(rows: list[dict]) -> list[dict]:
     return out
 
 
-PHASE_KEYS = ("receive", "intake", "checks", "build", "register", "server_other", "client",
-              "total")
+PHASE_KEYS = ("receive", "intake", "checks", "build", "engine_build", "register",
+              "server_other", "client", "total")
+ENGINES_OWN = ("register", "engine_build")  # the engine's registration and its own build
 
 
 def phase_table(rows: list[dict]) -> str:
@@ -618,7 +619,8 @@ def phase_table(rows: list[dict]) -> str:
 def per_extra_tensor(rows: list[dict]) -> list[str]:
     """Each transport's cost per tensor: what a push of the same bytes in more tensors costs
     more, over the extra tensors (us), against its fewest-tensor row. `ours`: all of it but
-    the engine's own registration (the bytes cost the same in both rows)."""
+    the engine's own code, its registration and its build of its LoRA object (the bytes
+    cost the same in both rows)."""
     lines = []
     for transport in dict.fromkeys(r["transport"] for r in rows):
         mine = sorted((r for r in rows if r["transport"] == transport),
@@ -627,12 +629,12 @@ def per_extra_tensor(rows: list[dict]) -> list[str]:
         for r in mine[1:]:
             extra = r["tensors"] - base["tensors"]
             d = {k: (r[k] - base[k]) * 1e6 / extra for k in PHASE_KEYS}
-            ours = d["total"] - d["register"]
+            ours = d["total"] - sum(d[k] for k in ENGINES_OWN)
             lines.append(f"per extra tensor, {transport} {base['tensors']} -> {r['tensors']}: "
-                         f"lora-sync's own {ours:.1f} us (engine's registration "
-                         f"{d['register']:.1f}; " +
+                         f"lora-sync's own {ours:.1f} us (the engine's own: registration "
+                         f"{d['register']:.1f}, build {d['engine_build']:.1f}; " +
                          ", ".join(f"{k} {d[k]:.1f}" for k in PHASE_KEYS[:-1]
-                                   if k != "register") + ")")
+                                   if k not in ENGINES_OWN) + ")")
     return lines
 
 

@@ -94,8 +94,8 @@ TRAINER_CALLS = ("lease", "write")  # shm's steps before its last call
 # Measured and shown, not added: shm's copy into a ready lease runs after its commit went
 # out, inside the server's `receive` (which waits for it to seal the lease); full garbage
 # collections in the API process (`gc`) and the slowest worker (`worker_gc`) ran inside
-# whichever phases they interrupted.
-WITHIN_PHASES = ("copy", "gc", "worker_gc")
+# whichever phases they interrupted; `engine_build` is the engine's own code inside `build`.
+WITHIN_PHASES = ("copy", "gc", "worker_gc", "engine_build")
 
 
 def attribute(timings: dict, calls_s: float, total_s: float) -> dict:

@@ -144,5 +144,5 @@ def test_cost_per_extra_tensor_leaves_out_the_engines_registration():
                                   row(10_080, 0.4, 0.2, 0.01)])
     [line] = bench.per_extra_tensor(rows)
     assert line.startswith("per extra tensor, shm 10080 -> 20160: lora-sync's own 2.0 us "
-                           "(engine's registration 3.0;")
+                           "(the engine's own: registration 3.0, build 0.0;")
     assert "intake 2.0" in line

@@ -132,6 +132,7 @@ class LoRASyncWorker:
             self.state.adapters[intake.adapter_id] = stored
             return {"bytes": stored.nbytes,
                     "timings_ms": {"intake": (t1 - t0) * 1e3, "checks": (t2 - t1) * 1e3,
+                                   "engine_build": stored.engine_build_ms,
                                    "build": (time.perf_counter() - t2) * 1e3}}
         if notice_paths is None:
             return work()

@@ -26,6 +26,9 @@ class StoredAdapter:
     built: object = None  # the engine's LoRA model object, built once at intake
     buffers: list = field(default_factory=list)  # reused buffers the tensors view
     read_only: bool = False  # the tensors view a read-only mapping: build must not write them
+    # ms of `built` that the engine's own code took (vLLM's LoRAModel from the tensors, as
+    # its disk loader makes it): the push's `engine_build`, inside its `build`
+    engine_build_ms: float = 0.0
 
 
 @dataclass

@@ -4,6 +4,8 @@ vLLM adds this class to its worker's bases; the API process calls its one method
 `collective_rpc`. Everything else is the shared dispatcher; vLLM supplies `VLLMWorkerEngine`."""
 from __future__ import annotations
 
+import time
+
 from vllm_ext import engine_api
 
 from .dispatcher import LoRASyncWorker, WorkerEngine
@@ -39,8 +41,10 @@ class VLLMWorkerEngine(WorkerEngine):
     def build(self, adapter_id: int, stored: StoredAdapter, take_buffer):
         # The built LoRAModel is what vLLM gets on every (re)load: merging it again after an
         # LRU eviction is a no-op (already packed, scaling 1), so no copy is kept or rebuilt.
+        t0 = time.perf_counter()
         model = engine_api.build_lora_model(self.manager, adapter_id, stored.tensors,
                                             stored.config)
+        stored.engine_build_ms = (time.perf_counter() - t0) * 1e3
         if not engine_api.defer_scaling(self.manager, model, self.slot_layers):
             stored.buffers += engine_api.fold_scaling(
                 model, take_buffer if stored.read_only else None)
