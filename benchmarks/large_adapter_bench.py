@@ -164,10 +164,9 @@ class Shape:
 def same_bytes(shape: Shape, layers: int) -> Shape:
     """`shape` with `layers` layers and the intermediate size that keeps its bytes exactly:
     the same adapter size in fewer (larger) tensors."""
-    per_layer = shape.nbytes // layers
-    fixed = replace(shape, layers=1, intermediate=0).nbytes
-    step = replace(shape, layers=1, intermediate=1).nbytes - fixed
-    wide = replace(shape, layers=layers, intermediate=(per_layer - fixed) // step)
+    fixed, step = _layer_bytes(shape)
+    wide = replace(shape, layers=layers,
+                   intermediate=(shape.nbytes // layers - fixed) // step)
     if wide.nbytes != shape.nbytes:
         raise ValueError(f"{shape.layers} layers do not fold into {layers} of equal bytes")
     return wide
@@ -177,10 +176,15 @@ def near_bytes(shape: Shape, layers: int, multiple: int = 16) -> Shape:
     """`shape` with `layers` layers and the intermediate size (a multiple of `multiple`, as
     the engines' kernels like it) whose bytes come nearest: more tensors than `same_bytes`
     can fold into, since attention's share of a layer stays."""
-    fixed = replace(shape, layers=1, intermediate=0).nbytes
-    step = replace(shape, layers=1, intermediate=1).nbytes - fixed
+    fixed, step = _layer_bytes(shape)
     wide = (shape.nbytes / layers - fixed) / step
     return replace(shape, layers=layers, intermediate=round(wide / multiple) * multiple)
+
+
+def _layer_bytes(shape: Shape) -> tuple[int, int]:
+    """One layer's adapter bytes at intermediate size 0, and what each unit of it adds."""
+    fixed = replace(shape, layers=1, intermediate=0).nbytes
+    return fixed, replace(shape, layers=1, intermediate=1).nbytes - fixed
 
 
 LARGE = Shape()

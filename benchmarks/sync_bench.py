@@ -166,15 +166,17 @@ def start_server(engine: str, model_dir: Path, max_rank: int, dtype: str, env=No
                                extra_args=["--dtype", dtype, *extra_args],
                                python=str(SGLANG_PYTHON),
                                env={**(env or {}), "PYTHONPATH": SGLANG_TEST_PATH})
-        server.start_timeout = start_timeout or server.start_timeout
-        return server.start()
-    if engine == "vllm":
+    elif engine == "vllm":
         # vLLM's own unload route leaves a disk adapter in the worker's cache (vllm#54839);
         # lora-sync evicts it after the unload (Registry.evict_when_idle), off every
         # push's path. The small cache bounds what a run leaves cached all the same: while
         # disk adapters pile up the disk route slows down (docs/benchmarks.md, "Method").
-        return vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8).start()
-    raise ValueError(f"unknown engine {engine!r}")
+        server = vllm_server(model_dir, max_lora_rank=max_rank, dtype=dtype, max_cpu_loras=8,
+                             env=env, extra_args=extra_args)
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+    server.start_timeout = start_timeout or server.start_timeout
+    return server.start()
 
 
 def bench_engine(client, model_dir, ranks, reps, dtype, scratch, bar) -> list[dict]:

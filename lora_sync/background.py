@@ -29,16 +29,15 @@ class Yielding:
         self._tid, self._own = tid, min(own, LOWEST)
 
     def lift(self) -> None:
-        if self._tid is not None:
-            try:
-                os.setpriority(os.PRIO_PROCESS, self._tid, self._own)
-            except OSError:
-                pass
+        self._set(self._own)
 
     def drop(self) -> None:
         """`lower` again, from a thread that no longer waits for the worker's work."""
+        self._set(LOWEST)
+
+    def _set(self, priority: int) -> None:
         if self._tid is not None:
             try:
-                os.setpriority(os.PRIO_PROCESS, self._tid, LOWEST)
+                os.setpriority(os.PRIO_PROCESS, self._tid, priority)
             except OSError:
                 pass

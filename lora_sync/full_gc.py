@@ -36,7 +36,7 @@ _lock = threading.Lock()
 _blocks = 0                 # pushes in flight in this process
 _thresholds = gc.get_threshold()
 _frozen = False
-_full_s = 0.0               # seconds in full collections, since the hook was installed
+_full_s = 0.0               # seconds in full collections in this process so far
 _started: float | None = None
 
 
@@ -66,7 +66,6 @@ class Block:
 def during_push(freeze: bool = False):
     """A push in this process: full collections wait until the last one ends. `freeze`:
     the process is a server's, whose start-up heap is frozen at its first push."""
-    _install()
     block = Block()  # the freeze's one collection is this push's too
     deferring = mode() == "defer"
     if deferring:
@@ -106,11 +105,6 @@ def mode() -> str:
     return value
 
 
-def _install() -> None:
-    if _on_collection not in gc.callbacks:
-        gc.callbacks.append(_on_collection)
-
-
 def _freeze_once() -> None:
     global _frozen
     with _lock:
@@ -131,4 +125,5 @@ def _after_fork() -> None:
         gc.set_threshold(*_thresholds)
 
 
+gc.callbacks.append(_on_collection)  # returns at once unless a collection is a full one
 os.register_at_fork(after_in_child=_after_fork)
