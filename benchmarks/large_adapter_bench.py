@@ -144,9 +144,10 @@ class Shape:
         return {"r": self.rank, "lora_alpha": 2 * self.rank, "peft_type": "LORA",
                 "target_modules": sorted({p for _, p in PROJECTIONS})}
 
-    def adapter(self, seed: int = 0, fill: bool = True) -> LoRAAdapter:
+    def adapter(self, seed: int = 0, fill: bool = True, packed: bool = False) -> LoRAAdapter:
         """An all-linear LoRA of these shapes: one tensor of its own per weight (as PEFT's
-        state dict has them), random (`fill`) or zeros."""
+        state dict has them), random (`fill`) or zeros; `packed`: views of one buffer, back
+        to back, as `trainer.pack_parameters` leaves a trainer's parameters."""
         g = torch.Generator().manual_seed(seed)
         dtype, tensors = getattr(torch, self.dtype), {}
         for module, (fan_in, fan_out) in self.linear().items():
@@ -158,7 +159,15 @@ class Shape:
                 else:
                     t.zero_()
                 tensors[f"{key}.lora_{half}.weight"] = t
-        return LoRAAdapter(tensors, self.config())
+        adapter = LoRAAdapter(tensors, self.config())
+        if not packed:
+            return adapter
+        tensors, start = dict(adapter.tensors), 0  # in the order a push sends them
+        flat = torch.empty(sum(t.numel() for t in tensors.values()), dtype=dtype)
+        for k, t in tensors.items():
+            tensors[k] = flat[start:start + t.numel()].view(t.shape).copy_(t)
+            start += t.numel()
+        return LoRAAdapter(tensors, adapter.config)
 
 
 def same_bytes(shape: Shape, layers: int) -> Shape:
@@ -690,14 +699,15 @@ def bench_server(args, shapes: dict[str, Shape], out: dict, scratch: Path) -> No
         label = "" if name == "large" else name
         print(f"building the adapter: {shape.tensors} tensors, {shape.nbytes / 1e9:.2f} GB",
               flush=True)
-        adapter = shape.adapter(seed=1 + i)
+        adapter = shape.adapter(seed=1 + i, packed=args.packed)
         server = FakeServer(shape, shape.rank) if engine == "fake" else STARTS[engine](shape)
         try:
             with LoRASyncClient(server.url, engine=server.engine, api_key=API_KEY,
                                 timeout=600) as client:
                 client.init_group(timeout_s=300)
-                samples += push_rounds(client, shape, adapter, engine,
-                                       args.reps if i == 0 else max(3, args.reps // 2),
+                # Every shape the same rounds: the per-extra-tensor lines are differences
+                # of two shapes' medians.
+                samples += push_rounds(client, shape, adapter, engine, args.reps,
                                        args.warmup, args.idle, scratch, label=label)
                 if args.soak and i == 0:
                     out["soak"] = soak(client, server, adapter, args.soak)
@@ -729,6 +739,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=("overhead", "server"), help="one part only")
     p.add_argument("--engine", choices=("fake", *STARTS), default="fake")
     p.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--packed", action="store_true",
+                   help="the trainer's tensors in one buffer (trainer.pack_parameters)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--idle", type=float, default=0.5, help="seconds before each push")
     p.add_argument("--soak", type=int, default=50, help="pushes with the RSS sampled (0 or 15-50)")
@@ -760,9 +772,11 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"shape": asdict(shape), "tensors": shape.tensors, "bytes": shape.nbytes,
-                    "size_classes": shape.size_classes(), "loadavg_before": os.getloadavg()}
+                    "size_classes": shape.size_classes(), "packed": args.packed,
+                    "loadavg_before": os.getloadavg()}
     text = [f"adapter: {shape.tensors} tensors, {shape.nbytes / 1e9:.3f} GB; tensor bytes x "
-            f"count: {shape.size_classes()}"]
+            f"count: {shape.size_classes()}; the trainer's tensors "
+            f"{'packed in one buffer' if args.packed else 'each in memory of its own'}"]
     if args.only in (None, "overhead"):
         rows = []
         for n in args.counts:

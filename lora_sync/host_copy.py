@@ -9,13 +9,66 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 
 def memmove_each(copies) -> None:
     """Every (destination address, source address, bytes) copy, in order, on this thread."""
-    for dst, src, n in copies:
+    for dst, src, n in coalesced(copies):
         ctypes.memmove(dst, src, n)
+
+
+def host_runs(tensors: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """(address, bytes) of each run of tensors that lie back to back in host memory, in
+    order (tensors with no bytes left out); None unless every tensor is a contiguous host
+    tensor. A few attribute reads per tensor, the runs found by numpy: a packed adapter
+    (`trainer.pack_parameters`) of tens of thousands of tensors is one run, found at a
+    fraction of a microsecond a tensor."""
+    if not all(t.is_cpu and t.is_contiguous() for t in tensors):
+        return None
+    start = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    size = np.array([t.nbytes for t in tensors], dtype=np.int64)
+    if not size.all():
+        start, size = start[size > 0], size[size > 0]
+    if not len(start):
+        return []
+    end = start + size
+    breaks = np.flatnonzero(start[1:] != end[:-1]) + 1
+    firsts, lasts = np.r_[0, breaks], np.r_[breaks, len(start)] - 1
+    return list(zip(start[firsts].tolist(), (end[lasts] - start[firsts]).tolist()))
+
+
+def coalesced(copies) -> list[tuple[int, int, int]]:
+    """The copies, each run of neighbours (one starting where the last ended, on both
+    sides) made one: tensors packed back to back in one buffer (`trainer.pack_parameters`)
+    then cost one call for all, not one each."""
+    out, dst0, src0, run = [], 0, 0, 0
+    for dst, src, n in copies:
+        if run and dst == dst0 + run and src == src0 + run:
+            run += n
+            continue
+        if run:
+            out.append((dst0, src0, run))
+        dst0, src0, run = dst, src, n
+    if run:
+        out.append((dst0, src0, run))
+    return out
+
+
+def halves(copies: list[tuple[int, int, int]]) -> tuple[list, list]:
+    """The copies cut in two of about equal bytes (one copy split where it spans the
+    middle), for two threads."""
+    total = sum(n for _, _, n in copies)
+    first, done = [], 0
+    for i, (dst, src, n) in enumerate(copies):
+        if done + n >= total // 2:
+            cut = total // 2 - done
+            head = [(dst, src, cut)] if cut else []
+            return first + head, [(dst + cut, src + cut, n - cut)] + list(copies[i + 1:])
+        first.append((dst, src, n))
+        done += n
+    return first, []
 
 
 def copy_each(pairs) -> None:

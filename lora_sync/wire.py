@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import host_copy
 from .errors import BadAdapter
 from .fields import loads, unique_keys
 
@@ -122,6 +123,26 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(view)
 
 
+def byte_views(tensors) -> list[memoryview]:
+    """Zero-copy byte views of the tensors' memory, in order, tensors with no bytes left
+    out: one per run of host tensors that lie back to back (`host_copy.host_runs`; a packed
+    adapter, `trainer.pack_parameters`, is one view, one buffer to send or write), else one
+    per tensor."""
+    tensors = list(tensors)
+    runs = host_copy.host_runs(tensors)
+    if runs is None:
+        return [as_bytes(t) for t in tensors if t.numel()]
+    return [_span(start, n, tensors) for start, n in runs]
+
+
+def _span(start: int, nbytes: int, tensors: list) -> memoryview:
+    """`nbytes` of host memory from address `start`, viewed while `tensors` (which lie
+    there) live."""
+    view = (ctypes.c_ubyte * nbytes).from_address(start)
+    view.tensors = tensors
+    return memoryview(view)
+
+
 def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
     """The safetensors file as [header bytes, tensor, tensor, ...]: each tensor's bytes
     follow in order (the same-host transport copies them, from any device, into place)."""
@@ -148,10 +169,11 @@ def _entries_json(shapes: tuple) -> str:
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list:
-    """Returns the safetensors file as a list of chunks: header bytes, then one byte view per
-    tensor (no copy of tensor memory). `b"".join(chunks)` is the complete file."""
+    """Returns the safetensors file as a list of chunks: header bytes, then byte views of
+    the tensors (`byte_views`: no copy of tensor memory). `b"".join(chunks)` is the
+    complete file."""
     header, *parts = layout(tensors, metadata)
-    return [header] + [as_bytes(t) for t in parts]
+    return [header, *byte_views(parts)]
 
 
 def encode_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

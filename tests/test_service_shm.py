@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lora_sync import LoRASyncClient, LoRASyncError, http, wire
+from lora_sync import LoRASyncClient, LoRASyncError, host_copy, http, wire
 from lora_sync.server import registry as registry_module
 from lora_sync.transports import shm
 
@@ -137,7 +137,7 @@ def test_a_commit_ahead_of_its_copy_serves_only_a_whole_file(fake_client, make_a
     before, held = greedy(c, "ahead"), versions_of(c, "ahead")
     new = make_adapter(seed=seed + 1)
     stores, refusals = [0], []
-    real_memmove, real_post = shm.trainer._memmove, shm.transport._post
+    real_memmove, real_post = host_copy.memmove_each, shm.transport._post
 
     def dies_midway(copies):
         for copy in copies:
@@ -153,7 +153,7 @@ def test_a_commit_ahead_of_its_copy_serves_only_a_whole_file(fake_client, make_a
             refusals.append((route, on_sent is not None, e.code))
             raise
     whole = copied >= len(new.tensors)
-    with mock.patch.object(shm.trainer, "_memmove", dies_midway), \
+    with mock.patch.object(host_copy, "memmove_each", dies_midway), \
             mock.patch.object(shm.transport, "_post", post):
         if whole:
             c.push(new, "ahead", transport="shm")

@@ -11,8 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ... import http, pages, wire
-from ...host_copy import memmove_each as _memmove
+from ... import host_copy, http, pages, wire
 from ..base import SendContext, Server, Unavailable
 from ..device_copy import HostPin, copy_to_host, on_device
 from .memfd import open_pinned
@@ -103,25 +102,9 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
         anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address, while it lives
         base = ctypes.addressof(anchor)
         try:
-            offset, copies, sources, on_gpu = 0, [], [], []
-            # One pass of cheap attribute reads per tensor: an MoE adapter has tens of
-            # thousands, and detach() or device.type alone cost more than the rest.
-            for chunk in chunks:
-                n = _nbytes(chunk)
-                if offset + n > len(mapping):
-                    raise ValueError("the chunks do not fit the lease")
-                if isinstance(chunk, torch.Tensor):
-                    if not chunk.is_cpu:
-                        on_gpu.append((offset, chunk))
-                    else:
-                        if not chunk.is_contiguous():
-                            chunk = chunk.contiguous()
-                            sources.append(chunk)  # alive until copied
-                        copies.append((base + offset, chunk.data_ptr(), n))
-                else:
-                    start = len(lead) if offset == 0 else 0
-                    mapping[offset + start:offset + n] = chunk[start:]
-                offset += n
+            # `sources`: contiguous copies of strided tensors, alive until copied
+            copies, sources, on_gpu = _runs_into(mapping, base, chunks) \
+                or _each_into(mapping, base, chunks)
             if on_gpu:
                 # a view of the address, not of the mapping: it must not pin the mapping open
                 view = (ctypes.c_ubyte * len(mapping)).from_address(base)
@@ -134,6 +117,52 @@ def write_then_unmap(mapping: mmap.mmap, chunks: list, pin: HostPin | None = Non
         _unmap(mapping, pin)
         raise
     return _UNMAPPER.submit(_unmap, mapping, pin)
+
+
+def _runs_into(mapping: mmap.mmap, base: int, chunks: list) -> tuple | None:
+    """(copies, [], []) placing the file (header bytes, then host tensors) in the mapping at
+    address `base`, a copy per run of tensors that lie back to back
+    (`host_copy.host_runs`): a packed adapter is one copy. The header is written now, but
+    its first 8 bytes. None where a tensor is not a contiguous host tensor."""
+    head, tensors = chunks[0], chunks[1:]
+    runs = host_copy.host_runs(tensors) \
+        if all(isinstance(t, torch.Tensor) for t in tensors) else None
+    if runs is None:
+        return None
+    if len(head) + sum(n for _, n in runs) > len(mapping):
+        raise ValueError("the chunks do not fit the lease")
+    mapping[8:len(head)] = head[8:]
+    copies, at = [], base + len(head)
+    for start, n in runs:
+        copies.append((at, start, n))
+        at += n
+    return copies, [], []
+
+
+def _each_into(mapping: mmap.mmap, base: int, chunks: list) -> tuple:
+    """(copies, sources, on_gpu): chunk by chunk, bytes written now (but the header's first
+    8), host tensors as copies (a contiguous copy made of the others, kept in `sources`
+    until copied), GPU tensors as (offset, tensor) for `copy_to_host`."""
+    offset, copies, sources, on_gpu = 0, [], [], []
+    # One pass of cheap attribute reads per tensor: an MoE adapter has tens of thousands,
+    # and detach() or device.type alone cost more than the rest.
+    for chunk in chunks:
+        n = _nbytes(chunk)
+        if offset + n > len(mapping):
+            raise ValueError("the chunks do not fit the lease")
+        if isinstance(chunk, torch.Tensor):
+            if not chunk.is_cpu:
+                on_gpu.append((offset, chunk))
+            else:
+                if not chunk.is_contiguous():
+                    chunk = chunk.contiguous()
+                    sources.append(chunk)  # alive until copied
+                copies.append((base + offset, chunk.data_ptr(), n))
+        else:
+            start = 8 if offset == 0 else 0  # the header's length is stored last
+            mapping[offset + start:offset + n] = chunk[start:]
+        offset += n
+    return copies, sources, on_gpu
 
 
 def _header_lead(chunks: list) -> bytes:
@@ -159,19 +188,16 @@ def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
     client's copies the first while this one copies the rest. The trainer waits for the push
     meanwhile, so a second core is free for it: copy and unmap finish sooner than on one
     thread, even on a host of two cores."""
-    total = sum(n for _, _, n in copies)
-    cut, done = 0, 0
-    while cut < len(copies) and done < total // 2:
-        done += copies[cut][2]
-        cut += 1
-    if total < _SPLIT_BYTES or not 0 < cut < len(copies):
-        _memmove(copies)
+    copies = host_copy.coalesced(copies)
+    if sum(n for _, _, n in copies) < _SPLIT_BYTES:
+        host_copy.memmove_each(copies)
         return
-    first = _COPY_HELPER.submit(_memmove, copies[:cut])
+    first, rest = host_copy.halves(copies)
+    done = _COPY_HELPER.submit(host_copy.memmove_each, first)
     try:
-        _memmove(copies[cut:])
+        host_copy.memmove_each(rest)
     finally:
-        first.result()
+        done.result()
 
 
 def write_lease(lease: Lease, chunks: list) -> int | None:
@@ -192,10 +218,10 @@ def write_lease(lease: Lease, chunks: list) -> int | None:
 
 
 def _pwrite_all(fd: int, chunks: list) -> None:
-    """Host bytes and CPU tensors into the file from offset 0, a few hundred per call."""
-    views = [wire.as_bytes(c) if isinstance(c, torch.Tensor) else memoryview(c)
-             for c in chunks]
-    views = [v for v in views if v.nbytes]
+    """The file (`chunks`: its header's bytes, then CPU tensors) into `fd` from offset 0, a
+    few hundred buffers per call."""
+    head, *tensors = chunks  # the header's bytes, then the tensors
+    views = [v for v in (memoryview(head), *wire.byte_views(tensors)) if v.nbytes]
     offset = 0
     for first in range(0, len(views), _IOV_MAX):
         group = views[first:first + _IOV_MAX]
