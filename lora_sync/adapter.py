@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import moe, wire
+from . import moe, peft_cache, wire
 from .errors import BadAdapter
 from .fields import loads
 
@@ -139,16 +139,28 @@ class LoRAAdapter:
     @classmethod
     def copy_of(cls, adapter: "LoRAAdapter", tensors: dict[str, torch.Tensor]) -> "LoRAAdapter":
         """`adapter` with `tensors` in place of its own: a copy of them, under the same names in
-        the same order (what a push kept). Its names and config were normalized once; doing it
-        again walks every tensor's name, on every push."""
+        the same order (what a push kept)."""
         if list(tensors) != list(adapter.tensors):
             raise ValueError("a copy of an adapter has its tensors' names, in its order")
-        copy = cls.__new__(cls)
-        copy.tensors, copy.config = tensors, dict(adapter.config)
-        return copy
+        return cls.normalized(tensors, dict(adapter.config))
+
+    @classmethod
+    def normalized(cls, tensors: dict[str, torch.Tensor], config: dict) -> "LoRAAdapter":
+        """An adapter of tensors and config that a LoRAAdapter normalized once already (names,
+        order, config): doing it again walks every tensor's name, on every push."""
+        adapter = cls.__new__(cls)
+        adapter.tensors, adapter.config = tensors, config
+        return adapter
 
     @classmethod
     def from_peft_model(cls, model, adapter_name: str = "default") -> "LoRAAdapter":
+        """The adapter of a PEFT model, its tensors sharing the parameters' memory: read
+        through PEFT the first time, then straight from the same parameters while they stay
+        the adapter's (peft_cache: PEFT's read walks the whole model at every call)."""
+        return peft_cache.read(model, adapter_name, cls._through_peft, cls.normalized)
+
+    @classmethod
+    def _through_peft(cls, model, adapter_name: str) -> "LoRAAdapter":
         state = peft_state(model, adapter_name)
         config = model.peft_config[adapter_name].to_dict()
         # LoRA on fused experts (target_parameters) travels in the engines' per-expert form.
@@ -808,10 +820,10 @@ def peft_state(model, adapter_name: str = "default") -> dict:
     from peft import get_peft_model_state_dict
     pick = functools.partial(get_peft_model_state_dict, model, adapter_name=adapter_name,
                              save_embedding_layers=False)
+    if not any(_is_dtensor(p) for p in model.parameters()):
+        return pick()  # unsharded: one walk of the model, PEFT's (FSDP2 shards parameters)
     state = model.state_dict()
     shards = {k: v for k, v in state.items() if _is_dtensor(v)}
-    if not shards:
-        return pick()
     local = {k: shards[k].to_local() if k in shards else v for k, v in state.items()}
     sharded = {id(local[k]): v for k, v in shards.items()}
     plain = {id(v) for k, v in state.items() if k not in shards}

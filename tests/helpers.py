@@ -25,6 +25,23 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "the quick brown"
 
 
+def tiny_peft_model(seed: int = 0, **lora_config):
+    """A PEFT model over the tiny Llama built in memory (no model directory), all-linear
+    rank 8 unless `lora_config` says otherwise, its LoRA weights random and non-zero."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from testbed.tiny_model import TINY_CONFIG
+    torch.manual_seed(seed)
+    config = LoraConfig(**{"target_modules": "all-linear", "r": 8, "lora_dropout": 0.0,
+                           **lora_config})
+    model = get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)), config)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
 def smaps_kb(address: int, field: str) -> int:
     """A field of /proc/self/smaps (Rss, ShmemPmdMapped, ...) for the mapping holding
     `address`, in kB."""

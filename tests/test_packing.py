@@ -11,6 +11,8 @@ import torch
 from lora_sync import LoRAAdapter, host_copy, wire
 from lora_sync.trainer.packing import pack_parameters
 
+from .helpers import tiny_peft_model
+
 
 def _packed(adapter: LoRAAdapter) -> LoRAAdapter:
     """The same adapter, its tensors views of one buffer (as pack_parameters leaves a
@@ -115,22 +117,8 @@ def test_pushes_of_a_packed_adapter_copy_once_and_serve_the_same(fake_client, ma
     fake_client.retire("packed")
 
 
-def _peft_model(seed: int = 0):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from testbed.tiny_model import TINY_CONFIG
-    torch.manual_seed(seed)
-    model = get_peft_model(LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)),
-                           LoraConfig(target_modules="all-linear", r=8, lora_dropout=0.0))
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            torch.nn.init.normal_(p, std=0.02)
-    return model
-
-
 def test_pack_parameters_keeps_values_and_parameters_and_training_goes_on():
-    model = _peft_model()
+    model = tiny_peft_model()
     before = LoRAAdapter.from_peft_model(model)
     file_before = wire.encode_bytes(before.tensors, {})
     params = [p for p in model.parameters() if p.requires_grad]
@@ -154,7 +142,7 @@ def test_pack_parameters_keeps_values_and_parameters_and_training_goes_on():
 
 
 def test_pack_parameters_refuses_what_one_buffer_cannot_hold(monkeypatch):
-    model = _peft_model()
+    model = tiny_peft_model()
     lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
     lora_b.data = lora_b.data.double()
     with pytest.raises(ValueError, match="mix dtypes"):
@@ -166,4 +154,4 @@ def test_pack_parameters_refuses_what_one_buffer_cannot_hold(monkeypatch):
     monkeypatch.setattr(adapter_module, "peft_state", lambda m, name="default": {
         k: v.clone() for k, v in real(m, name).items()})
     with pytest.raises(ValueError, match="no LoRA parameter"):
-        pack_parameters(_peft_model())
+        pack_parameters(tiny_peft_model())
