@@ -340,6 +340,24 @@ OVERHEAD_STEPS = ("adapter", "layout_cold", "layout_cached", "encode", "send", "
                   "view", "broadcast_decl", "broadcast_views")
 
 
+def peft_read_overhead(layers: int, reps: int = 3) -> dict:
+    """Seconds to read the adapter of a PEFT model (an all-linear rank-8 LoRA of a Llama of
+    `layers` thin layers: 14 tensors a layer) through PEFT (`LoRAAdapter._through_peft`: its
+    get_peft_model_state_dict walks the whole model) and as a push reads it from the second
+    push on (`from_peft_model`, from the parameters recorded at the first)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         vocab_size=256)
+    model = get_peft_model(LlamaForCausalLM(config),
+                           LoraConfig(target_modules="all-linear", r=8))
+    tensors = len(LoRAAdapter.from_peft_model(model).tensors)
+    return {"tensors": tensors,
+            "through_peft": _best(lambda: LoRAAdapter._through_peft(model, "default"), reps),
+            "recorded": _best(lambda: LoRAAdapter.from_peft_model(model), reps)}
+
+
 def us_per_tensor(row: dict) -> dict:
     """Each step of a `per_tensor_overhead` row in microseconds per tensor."""
     return {k: row[k] * 1e6 / row["tensors"] for k in OVERHEAD_STEPS if k in row}
@@ -784,6 +802,11 @@ def main(argv=None) -> int:
             print(f"  overhead at {rows[-1]['tensors']} tensors done", flush=True)
         result["overhead"] = rows
         text.append(overhead_table(rows))
+        result["peft_read"] = [peft_read_overhead(layers) for layers in (72, 720)]
+        text.append("reading a PEFT model's adapter (us per tensor; best of 3): " + "; ".join(
+            f"{r['tensors']} tensors: through PEFT {r['through_peft'] * 1e6 / r['tensors']:.1f}"
+            f", as a push reads it {r['recorded'] * 1e6 / r['tensors']:.2f}"
+            for r in result["peft_read"]))
         result["limits"] = limits_report({"large": shape, "100k": scan_shape(100_000)})
         text.append(limits_table(result["limits"]))
         spec = shape.spec()

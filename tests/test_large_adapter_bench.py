@@ -33,6 +33,21 @@ def test_shape_names_and_sizes_are_those_the_servers_read():
     assert cfg["target_modules"] == sorted(p for _, p in bench.PROJECTIONS)
 
 
+def test_a_packed_adapter_is_the_same_adapter_in_one_run():
+    """--packed: the same names, order and bytes, every tensor back to back in one buffer
+    (as lora_sync.pack_parameters leaves a trainer's), so a push copies it as one."""
+    loose, packed = SMALL.adapter(seed=5), SMALL.adapter(seed=5, packed=True)
+    assert list(packed.tensors) == list(loose.tensors)
+    assert wire.encode_bytes(packed.tensors, {}) == wire.encode_bytes(loose.tensors, {})
+    assert len(wire.byte_views(packed.tensors.values())) == 1 < len(loose.tensors)
+
+
+def test_the_peft_read_is_measured_on_the_adapter_a_push_reads():
+    row = bench.peft_read_overhead(2, reps=1)
+    assert row["tensors"] == 2 * bench.TENSORS_PER_LAYER
+    assert row["through_peft"] > 0 and row["recorded"] > 0
+
+
 def test_the_large_shape_is_what_the_issue_asks():
     """At least 10,000 tensors and 1 GB, many small tensors and a few large ones; FEW has the
     same bytes in a tenth of the tensors. (Sizes from the table, no tensor is made.)"""
