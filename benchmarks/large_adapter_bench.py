@@ -90,6 +90,7 @@ class Shape:
     kv_heads: int = 2
     rank: int = 64
     dtype: str = "bfloat16"
+    first_layer: int = 0  # where its layers start (the fake engine can serve two shapes)
 
     def hf_config(self) -> dict:
         """testbed.tiny_model.build_tiny_model's overrides (LlamaConfig fields)."""
@@ -109,7 +110,8 @@ class Shape:
                 "up_proj": (self.hidden, self.intermediate),
                 "down_proj": (self.intermediate, self.hidden)}
         return {f"model.layers.{i}.{block}.{proj}": dims[proj]
-                for i in range(self.layers) for block, proj in PROJECTIONS}
+                for i in range(self.first_layer, self.first_layer + self.layers)
+                for block, proj in PROJECTIONS}
 
     def spec(self, max_rank: int | None = None) -> ModelSpec:
         return ModelSpec(self.linear(), max_rank or self.rank)
@@ -479,7 +481,7 @@ def post_body(url: str, path: str, body: bytes, timeout: float = 120) -> tuple[i
 
 
 # -- 4. pushes to a server ---------------------------------------------------------------------
-def serve_fake(shape: Shape, port: int, max_rank: int) -> int:
+def serve_fake(shapes: list[Shape], port: int, max_rank: int) -> int:
     """The fake-engine server of this benchmark, in this process, until SIGTERM: lora-sync's
     real routes, admission, service, transports and worker dispatcher (FakeEngineServer) on
     a fake engine that knows `shape`'s linear layers. Its build reads one element per tensor
@@ -496,7 +498,7 @@ def serve_fake(shape: Shape, port: int, max_rank: int) -> int:
     with mock.patch.dict(os.environ, env, clear=True):
         settings = Settings.from_env()
     server = FakeEngineServer(settings, port=port)
-    spec = shape.spec(max_rank)
+    spec = ModelSpec({k: v for shape in shapes for k, v in shape.linear().items()}, max_rank)
 
     async def model_spec():
         return spec
@@ -514,14 +516,14 @@ class FakeServer:
     """`serve_fake` in a child process (started with SERVER_ENV and `env` on top)."""
     engine = "vllm"  # routes under /v1
 
-    def __init__(self, shape: Shape, max_rank: int, env: dict | None = None):
+    def __init__(self, shapes: list[Shape], max_rank: int, env: dict | None = None):
         from lora_sync.collective import free_port
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.large_adapter_bench", "--serve-fake",
-             str(self.port), "--layers", str(shape.layers), "--intermediate",
-             str(shape.intermediate), "--hidden", str(shape.hidden), "--rank", str(max_rank)],
+             str(self.port), "--fake-shapes", json.dumps([asdict(s) for s in shapes]),
+             "--rank", str(max_rank)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, **SERVER_ENV, **(env or {}), "PYTHONPATH": str(REPO),
                  "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
@@ -695,6 +697,93 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
+PAIRED_TRANSPORTS = ("shm", "tensors", "shared", "broadcast")
+# Room for two names' versions and leases of 1.1 GB each.
+PAIRED_ENV = {"LORA_SYNC_MAX_STAGING_MB": "8192"}
+
+
+def paired_shapes(shape: Shape = LARGE) -> dict[str, Shape]:
+    """`shape` and its bytes in twice the tensors (as MANY is LARGE's) as the layers of one
+    model, the second's after the first's, so that one fake-engine server takes both."""
+    many = near_bytes(shape, shape.layers * 2)
+    return {"large": shape, "many": replace(many, first_layer=shape.layers)}
+
+
+def paired_rounds(client, adapters: dict[str, LoRAAdapter], reps: int, warmup: int,
+                  idle_s: float, scratch: Path) -> list[dict]:
+    """Each transport pushes both adapters to the one server, one after the other, in turns
+    (which goes first alternates by round): a round's two pushes meet the same server, the
+    same load and the same hour."""
+    from benchmarks.sync_bench import sync_once
+    samples = []
+    for rep in range(-warmup + 1, reps + 1):
+        for transport in PAIRED_TRANSPORTS:
+            for label in (list(adapters) if rep % 2 else list(adapters)[::-1]):
+                time.sleep(idle_s)
+                _, phases = sync_once(client, transport, adapters[label], label, scratch)
+                samples.append({"transport": transport, "label": label, "rep": rep,
+                                "tensors": len(adapters[label].tensors), "phases": phases})
+            print(f"  paired round {rep} {transport}: " + ", ".join(
+                f"{s['label']} {s['phases']['total'] * 1e3:.0f} ms" for s in samples[-2:]),
+                flush=True)
+    return samples
+
+
+def paired_per_extra_tensor(samples: list[dict]) -> list[dict]:
+    """Per transport, each warm round's difference between the two pushes (more tensors
+    less fewer, each phase), over the extra tensors, in us; `ours`: all but the engine's
+    own build and registration. Median and [min, max] over the rounds."""
+    import statistics
+    out = []
+    for transport in PAIRED_TRANSPORTS:
+        rounds = {}
+        for s in samples:
+            if s["transport"] == transport and s["rep"] > 0:
+                rounds.setdefault(s["rep"], {})[s["tensors"]] = s["phases"]
+        per_round = []
+        for pushes in rounds.values():
+            few, many = min(pushes), max(pushes)
+            d = {k: (pushes[many].get(k, 0.0) - pushes[few].get(k, 0.0)) * 1e6 / (many - few)
+                 for k in PHASE_KEYS}
+            d["ours"] = d["total"] - sum(d[k] for k in ENGINES_OWN)
+            per_round.append(d)
+        if per_round:
+            out.append({"transport": transport, "rounds": len(per_round),
+                        **{k: statistics.median(r[k] for r in per_round)
+                           for k in (*PHASE_KEYS, "ours")},
+                        "ours_min": min(r["ours"] for r in per_round),
+                        "ours_max": max(r["ours"] for r in per_round)})
+    return out
+
+
+def paired_lines(rows: list[dict], few: int, many: int) -> list[str]:
+    return [f"paired, one fake-engine server, {few} -> {many} tensors, per extra tensor (median "
+            f"of {r['rounds']} rounds' differences): {r['transport']}: lora-sync's own "
+            f"{r['ours']:.2f} us [{r['ours_min']:.2f} to {r['ours_max']:.2f}] (" +
+            ", ".join(f"{k} {r[k]:.2f}" for k in PHASE_KEYS[:-1] if k not in ENGINES_OWN) +
+            f"; the fake engine's build {r['engine_build']:.2f})" for r in rows]
+
+
+def bench_paired(args, shape: Shape, out: dict, scratch: Path) -> None:
+    """The paired measurement (`--paired`): `shape` and its bytes in twice the tensors to one
+    fake-engine server."""
+    shapes = paired_shapes(shape)
+    adapters = {label: shape.adapter(seed=1 + i, packed=args.packed)
+                for i, (label, shape) in enumerate(shapes.items())}
+    server = FakeServer(list(shapes.values()), shape.rank, env=PAIRED_ENV)
+    try:
+        with LoRASyncClient(server.url, engine=server.engine, api_key=API_KEY,
+                            timeout=600) as client:
+            client.init_group(timeout_s=300)
+            samples = paired_rounds(client, adapters, args.reps, args.warmup, args.idle,
+                                    scratch)
+            client.destroy_group()
+    finally:
+        server.stop()
+    out["paired_samples"] = samples
+    out["paired"] = paired_per_extra_tensor(samples)
+
+
 def hostile_on_server(url: str, bodies: dict[str, bytes], engine: str) -> list[dict]:
     from lora_sync.engines import ENGINES
     from lora_sync.transports import tensors
@@ -718,7 +807,8 @@ def bench_server(args, shapes: dict[str, Shape], out: dict, scratch: Path) -> No
         print(f"building the adapter: {shape.tensors} tensors, {shape.nbytes / 1e9:.2f} GB",
               flush=True)
         adapter = shape.adapter(seed=1 + i, packed=args.packed)
-        server = FakeServer(shape, shape.rank) if engine == "fake" else STARTS[engine](shape)
+        server = FakeServer([shape], shape.rank) if engine == "fake" \
+            else STARTS[engine](shape)
         try:
             with LoRASyncClient(server.url, engine=server.engine, api_key=API_KEY,
                                 timeout=600) as client:
@@ -759,6 +849,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--packed", action="store_true",
                    help="the trainer's tensors in one buffer (trainer.pack_parameters)")
+    p.add_argument("--paired", action="store_true",
+                   help="lora-sync's own cost per extra tensor: the same bytes in 10,080 and "
+                        "20,160 tensors pushed in turns to one fake-engine server")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--idle", type=float, default=0.5, help="seconds before each push")
     p.add_argument("--soak", type=int, default=50, help="pushes with the RSS sampled (0 or 15-50)")
@@ -770,20 +863,19 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="1,008 tensors (110 MB), 2 rounds")
     p.add_argument("--out", default=str(REPO / "runs" / "large_adapter"))
     p.add_argument("--serve-fake", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    p.add_argument("--layers", type=int, default=LARGE.layers, help=argparse.SUPPRESS)
-    p.add_argument("--hidden", type=int, default=LARGE.hidden, help=argparse.SUPPRESS)
-    p.add_argument("--intermediate", type=int, default=LARGE.intermediate,
-                   help=argparse.SUPPRESS)
+    p.add_argument("--fake-shapes", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=LARGE.rank, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_fake:
-        return serve_fake(replace(LARGE, layers=args.layers, hidden=args.hidden,
-                                  intermediate=args.intermediate), args.serve_fake, args.rank)
+        return serve_fake([Shape(**d) for d in json.loads(args.fake_shapes)], args.serve_fake,
+                          args.rank)
     args.soak = min(args.soak, 50)
     shape = LARGE
     if args.quick:
         shape, args.reps, args.warmup, args.soak = QUICK, 2, 1, min(args.soak, 15)
         args.counts = [c for c in args.counts if c <= 10_000]
+    if args.paired and args.engine != "fake":
+        p.error("--paired pushes two shapes to one server: the fake engine's only")
     if 0 < args.soak < 15:  # RSS is sampled every 5 pushes once the first 10 filled the window
         p.error(f"--soak takes 0 (none) or at least 15 pushes, not {args.soak}")
     torch.set_num_threads(1)  # 2 cores: one for the server
@@ -817,7 +909,18 @@ def main(argv=None) -> int:
             f"{v['seconds'] * 1e3:.0f} ms" for k, v in result["hostile_in_process"].items()))
         print("\n".join(text[1:]), flush=True)
     first_server_block = len(text)
-    if args.only in (None, "server"):
+    if args.paired:
+        scratch = Path(tempfile.mkdtemp(prefix="lora-large-bench-"))
+        try:
+            bench_paired(args, shape, result, scratch)
+        finally:
+            import shutil
+            shutil.rmtree(scratch, ignore_errors=True)
+        shapes = paired_shapes(shape)
+        text.append("\n".join(paired_lines(result["paired"], shapes["large"].tensors,
+                                            shapes["many"].tensors)))
+        print(text[-1], flush=True)
+    elif args.only in (None, "server"):
         scratch = Path(tempfile.mkdtemp(prefix="lora-large-bench-"))
         try:
             shapes = {"large": shape, "few": same_bytes(shape, shape.layers // 10
@@ -843,7 +946,8 @@ def main(argv=None) -> int:
                 f"{result['loadavg_after'][0]:.2f} after")
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
     (out_dir / "table.txt").write_text("\n\n".join(text) + "\n")
-    print("\n\n".join(text[first_server_block + 1:]))  # the table was printed already
+    if not args.paired:
+        print("\n\n".join(text[first_server_block + 1:]))  # the table was printed already
     return 0
 
 

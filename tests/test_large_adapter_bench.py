@@ -161,3 +161,28 @@ def test_cost_per_extra_tensor_leaves_out_the_engines_registration():
     assert line.startswith("per extra tensor, shm 10080 -> 20160: lora-sync's own 2.0 us "
                            "(the engine's own: registration 3.0, build 0.0;")
     assert "intake 2.0" in line
+
+
+def test_the_paired_shapes_are_one_model_and_their_differences_per_extra_tensor():
+    """--paired: both shapes are layers of one model (the second's after the first's), their
+    adapters' names do not meet, and each round's difference is divided by the extra
+    tensors; `ours` leaves out the engine's own build and registration."""
+    shapes = bench.paired_shapes(replace(bench.LARGE, layers=4, rank=4))
+    few, many = shapes["large"], shapes["many"]
+    assert many.tensors == 2 * few.tensors and abs(many.nbytes / few.nbytes - 1) < 0.05
+    assert not set(few.linear()) & set(many.linear())
+    assert not set(few.adapter().tensors) & set(many.adapter().tensors)
+
+    def sample(rep, tensors, total, engine_build, register=0.0):
+        return {"transport": "shm", "label": str(tensors), "rep": rep, "tensors": tensors,
+                "phases": {"total": total, "engine_build": engine_build, "register": register,
+                           "receive": total / 2}}
+    samples = [sample(0, 100, 9.0, 0.0), sample(0, 200, 1.0, 0.0),  # cold: left out
+               sample(1, 100, 0.010, 0.001), sample(1, 200, 0.012, 0.0015),
+               sample(2, 200, 0.013, 0.001), sample(2, 100, 0.010, 0.001)]
+    [row] = bench.paired_per_extra_tensor(samples)
+    assert row["rounds"] == 2
+    assert row["ours_min"] == pytest.approx(15.0) and row["ours_max"] == pytest.approx(30.0)
+    assert row["ours"] == pytest.approx(22.5) and row["engine_build"] == pytest.approx(2.5)
+    assert row["receive"] == pytest.approx(12.5)
+    assert "lora-sync's own 22.50 us [15.00 to 30.00]" in bench.paired_lines([row], 100, 200)[0]
