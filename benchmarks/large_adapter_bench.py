@@ -649,6 +649,14 @@ def phase_table(rows: list[dict]) -> str:
     return "\n".join(lines + per_extra_tensor(rows))
 
 
+def extra_tensor_cost(fewer: dict, more: dict, extra: int) -> dict:
+    """Each phase's difference (seconds) between a push of more tensors and one of fewer, in
+    us per extra tensor; `ours`: all of it but the engine's own build and registration."""
+    d = {k: (more.get(k, 0.0) - fewer.get(k, 0.0)) * 1e6 / extra for k in PHASE_KEYS}
+    d["ours"] = d["total"] - sum(d[k] for k in ENGINES_OWN)
+    return d
+
+
 def per_extra_tensor(rows: list[dict]) -> list[str]:
     """Each transport's cost per tensor: what a push of the same bytes in more tensors costs
     more, over the extra tensors (us), against its fewest-tensor row. `ours`: all of it but
@@ -660,11 +668,9 @@ def per_extra_tensor(rows: list[dict]) -> list[str]:
                       key=lambda r: r["tensors"])
         base = mine[0]
         for r in mine[1:]:
-            extra = r["tensors"] - base["tensors"]
-            d = {k: (r[k] - base[k]) * 1e6 / extra for k in PHASE_KEYS}
-            ours = d["total"] - sum(d[k] for k in ENGINES_OWN)
+            d = extra_tensor_cost(base, r, r["tensors"] - base["tensors"])
             lines.append(f"per extra tensor, {transport} {base['tensors']} -> {r['tensors']}: "
-                         f"lora-sync's own {ours:.1f} us (the engine's own: registration "
+                         f"lora-sync's own {d['ours']:.1f} us (the engine's own: registration "
                          f"{d['register']:.1f}, build {d['engine_build']:.1f}; " +
                          ", ".join(f"{k} {d[k]:.1f}" for k in PHASE_KEYS[:-1]
                                    if k not in ENGINES_OWN) + ")")
@@ -702,9 +708,9 @@ PAIRED_ENV = {"LORA_SYNC_MAX_STAGING_MB": "8192"}  # two names' versions and lea
 
 
 # The paired measurement is of the cost per tensor: its adapters have the tensor counts of
-# LARGE and MANY at a quarter of the bytes (rank 16, 277 MB). At rank 64 the two names'
-# versions, leases and the client's copies held 16 GB of this 24 GB host, and pushes of
-# either took seconds where memory had to be compacted.
+# LARGE and MANY at a quarter of the bytes (rank 16, 277 MB). At rank 64 one server holds two
+# names' versions and leases, and the client their copies, each over a GB: pushes then wait
+# on the kernel compacting memory, whatever their tensor count.
 PAIRED_RANK = 16
 
 
@@ -755,10 +761,7 @@ def paired_per_extra_tensor(samples: list[dict]) -> list[dict]:
         per_round = []
         for pushes in rounds.values():
             few, many = min(pushes), max(pushes)
-            d = {k: (pushes[many].get(k, 0.0) - pushes[few].get(k, 0.0)) * 1e6 / (many - few)
-                 for k in PHASE_KEYS}
-            d["ours"] = d["total"] - sum(d[k] for k in ENGINES_OWN)
-            per_round.append(d)
+            per_round.append(extra_tensor_cost(pushes[few], pushes[many], many - few))
         if per_round:
             out.append({"transport": transport, "rounds": len(per_round),
                         **{k: statistics.median(r[k] for r in per_round)

@@ -56,15 +56,14 @@ class _Picks:
     peft_config: dict               # the model's PeftConfig of the adapter, as a dict
     generation: int
     names: tuple[str, ...]          # the adapter's tensor names, in its order
-    places: list[tuple[dict, str]]  # each tensor's (module._parameters, name)
-    params: list[torch.nn.Parameter]
+    places: list[tuple]             # each tensor's (module._parameters, name, parameter)
     adapter_config: dict            # the adapter's normalized config
 
     def still_hold(self, model, adapter_name: str) -> bool:
         config = model.peft_config.get(adapter_name)
         return _generation == self.generation and config is not None \
             and config.to_dict() == self.peft_config \
-            and all(table.get(name) is p for (table, name), p in zip(self.places, self.params))
+            and all(table.get(name) is p for table, name, p in self.places)
 
 
 def read(model, adapter_name: str, read_through_peft, make):
@@ -74,38 +73,31 @@ def read(model, adapter_name: str, read_through_peft, make):
     _hook_registrations()
     picks = _kept.get(model, {}).get(adapter_name)
     if picks is not None and picks.still_hold(model, adapter_name):
-        return make(dict(zip(picks.names, (p.detach() for p in picks.params))),
+        return make(dict(zip(picks.names, (p.detach() for _, _, p in picks.places))),
                     dict(picks.adapter_config))
     generation = _generation
     adapter = read_through_peft(model, adapter_name)
-    found = _parameters_of(model, adapter.tensors)
-    if found is not None:
-        places, params = found
+    places = parameter_places(model, adapter.tensors.values())
+    if None not in places:
+        _recorded_modules.update(model.modules())
         _kept.setdefault(model, {})[adapter_name] = _Picks(
             model.peft_config[adapter_name].to_dict(), generation, tuple(adapter.tensors),
-            places, params, dict(adapter.config))
+            places, dict(adapter.config))
     else:
         _kept.get(model, {}).pop(adapter_name, None)
     return adapter
 
 
-def _parameters_of(model, tensors: dict) -> tuple[list, list] | None:
-    """Each tensor's (module._parameters, name) and parameter, where every one is all of a
-    plain parameter's memory (same address, dtype, shape and strides); else None."""
-    by_memory, modules = {}, list(model.modules())
-    _recorded_modules.update(modules)
-    for module in modules:
+def parameter_places(model, tensors) -> list[tuple | None]:
+    """For each tensor, the (module._parameters, name, parameter) of the plain parameter
+    whose whole memory it is (the same address, dtype, device, shape and strides), or None
+    where it is no parameter's."""
+    by_memory = {}
+    for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None and type(p) is torch.nn.Parameter:
                 by_memory[_memory(p)] = (module._parameters, name, p)
-    places, params = [], []
-    for t in tensors.values():
-        hit = by_memory.get(_memory(t))
-        if hit is None:
-            return None
-        places.append(hit[:2])
-        params.append(hit[2])
-    return places, params
+    return [by_memory.get(_memory(t)) for t in tensors]
 
 
 def _memory(t: torch.Tensor) -> tuple:

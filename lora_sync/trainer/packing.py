@@ -1,7 +1,7 @@
 """A trainer's LoRA parameters moved into one buffer, in the order a push sends them.
 
 Each push copies or sends every tensor of the adapter; tensors that lie back to back go as
-one (`wire.byte_views`, `host_copy.coalesced`), so an adapter of tens of thousands of
+one (`host_copy.host_runs`), so an adapter of tens of thousands of
 tensors (an MoE's per-expert pairs) costs its bytes, not a call per tensor. A trainer packs
 once, after building the PEFT model; its optimizer, made before or after, keeps working:
 each parameter stays the same object, its data a view of the buffer."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..adapter import LoRAAdapter, _is_dtensor
+from ..peft_cache import parameter_places
 
 
 def pack_parameters(model, adapter_name: str = "default") -> torch.Tensor:
@@ -20,15 +21,14 @@ def pack_parameters(model, adapter_name: str = "default") -> torch.Tensor:
     ValueError where they cannot share one buffer: different dtypes or devices, sharded
     (FSDP2: its own flat storage is the place to pack), or none of the adapter's tensors is a
     parameter (PEFT made them, as for fused experts: nothing to pack)."""
-    tensors = LoRAAdapter.from_peft_model(model, adapter_name).tensors
-    by_address = {p.data_ptr(): p for p in model.parameters() if p.numel()}
-    params = [by_address[t.data_ptr()] for t in tensors.values()
-              if t.numel() and t.data_ptr() in by_address]
-    if not params:
-        raise ValueError(f"adapter {adapter_name!r} has no LoRA parameter to pack")
-    if any(_is_dtensor(p) for p in params):
+    tensors = LoRAAdapter.from_peft_model(model, adapter_name).tensors.values()
+    if any(_is_dtensor(t) for t in tensors):
         raise ValueError("sharded (FSDP2) parameters cannot be packed: FSDP keeps its own "
                          "flat storage")
+    params = [place[2] for place in parameter_places(model, tensors)
+              if place is not None and place[2].numel()]
+    if not params:
+        raise ValueError(f"adapter {adapter_name!r} has no LoRA parameter to pack")
     kinds = {(p.dtype, p.device) for p in params}
     if len(kinds) > 1:
         raise ValueError(f"the LoRA parameters mix dtypes or devices ({sorted(map(str, kinds))}): "

@@ -187,8 +187,8 @@ def _memmove_all(copies: list[tuple[int, int, int]]) -> None:
     """Every (destination, source, bytes) copy, in two halves at once: a thread of the
     client's copies the first while this one copies the rest. The trainer waits for the push
     meanwhile, so a second core is free for it: copy and unmap finish sooner than on one
-    thread, even on a host of two cores."""
-    copies = host_copy.coalesced(copies)
+    thread, even on a host of two cores. Each half's neighbours are copied as one
+    (`memmove_each`)."""
     if sum(n for _, _, n in copies) < _SPLIT_BYTES:
         host_copy.memmove_each(copies)
         return
