@@ -152,3 +152,37 @@ def test_pack_parameters_refuses_what_one_buffer_cannot_hold(monkeypatch):
         k: v.clone() for k, v in real(m, name).items()})
     with pytest.raises(ValueError, match="no LoRA parameter"):
         pack_parameters(tiny_peft_model())
+
+
+def test_a_packed_peft_model_serves_pefts_tokens_push_after_push(client, model_dir, tmp_path):
+    """Real engines: a PEFT model packed by pack_parameters, pushed as the model itself by
+    shm and tensors (its adapter read through PEFT the first time, from its parameters after)
+    serves PEFT's own greedy tokens and the engine's disk route's; after an in-place change
+    of its weights (a training step's kind), the next pushes serve the new tokens."""
+    from .helpers import PROMPT, disk_model
+    from .peft_oracle import peft_greedy, peft_model, server_greedy
+    n = 12
+    model = peft_model(model_dir, seed=970)
+    pack_parameters(model)
+    served = []
+    for step in range(2):
+        want = peft_greedy(model, model_dir, PROMPT, n)
+        for transport in ("shm", "tensors"):
+            [res] = client.push(model, "packed-peft", transport=transport)
+            assert res.transport == transport
+            assert server_greedy(client, res.name, PROMPT, n) == want, (step, transport)
+        served.append(want)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-2.0)
+    assert served[0] != served[1]  # the second pushes served the changed weights
+    name = f"packed-disk-{tmp_path.name[-8:]}"
+    LoRAAdapter.from_peft_model(model).save(tmp_path / name)  # the weights as changed last
+    client.load_from_disk(str(tmp_path / name), name)
+    try:
+        assert server_greedy(client, disk_model(client, name), PROMPT, n) == \
+            peft_greedy(model, model_dir, PROMPT, n)
+    finally:
+        client.unload_from_disk(name)
+    client.retire("packed-peft")
