@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lora_sync import LoRAAdapter, wire
 from lora_sync import adapter as adapter_module
@@ -74,7 +76,8 @@ def _replace_a_parameter(model):
 
 def _add_an_adapter(model):
     from peft import LoraConfig
-    model.add_adapter("second", LoraConfig(target_modules=["q_proj"], r=4))
+    model.add_adapter(f"other-{len(model.peft_config)}", LoraConfig(target_modules=["q_proj"],
+                                                                    r=4))
 
 
 def _replace_a_layer(model):
@@ -122,3 +125,38 @@ def test_tensors_peft_made_of_its_own_are_read_through_peft_every_time(peft_read
         next(p for n, p in model.named_parameters() if "lora_B" in n).add_(1.0)
     second = LoRAAdapter.from_peft_model(model)
     assert not _same(first, second) and _same(second, _through_peft(model))
+
+
+def _step(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.01)
+
+
+def _swap_data(model):
+    p = next(p for n, p in model.named_parameters() if "lora_A" in n)
+    p.data = p.data * 2.0
+
+
+def _forward(model):
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        model(input_ids=ids)
+
+
+OPERATIONS = {"step": _step, "swap .data": _swap_data, "forward": _forward,
+              "replace a parameter": _replace_a_parameter, "add an adapter": _add_an_adapter,
+              "replace a layer": _replace_a_layer, "edit the config": _edit_the_config,
+              "pack": lambda m: __import__("lora_sync").pack_parameters(m)}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(st.sampled_from(sorted(OPERATIONS)), min_size=1, max_size=8))
+def test_any_sequence_of_changes_reads_what_peft_reads(ops):
+    """Random sequences of what a trainer or a user may do to the model between pushes: each
+    read (PEFT's once, the recorded parameters after) equals a read through PEFT."""
+    model = tiny_peft_model(seed=5)
+    for op in ops:
+        OPERATIONS[op](model)
+        assert _same(LoRAAdapter.from_peft_model(model), _through_peft(model)), ops
