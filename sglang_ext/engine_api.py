@@ -241,13 +241,17 @@ def add_routes_and_middleware(router, middleware):
     /load_lora_adapter_from_tensors takes pickled tensors: ours refuses anything but a
     safetensors body), and the admission middleware."""
     from sglang.srt.entrypoints.http_server import app
+
+    from lora_sync.server.routes import put_first
     ours = {r.path for r in router.routes}
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in ours]
     # Route by route, not include_router: FastAPI 0.165 includes a router as one lazy
     # entry whose match carries no endpoint, and SGLang's key middleware then reads our
     # routes as NORMAL (generation key) instead of admin (found by test_key_schemes_on_sglang).
+    before = len(app.router.routes)
     for r in router.routes:
         app.add_api_route(r.path, r.endpoint, methods=sorted(r.methods))
+    put_first(app.router.routes, before)
     app.add_middleware(middleware)
     return app
 

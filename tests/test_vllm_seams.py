@@ -181,3 +181,21 @@ def test_tenant_keys_pass_vllms_own_key_middleware(monkeypatch):
             {"Authorization": f"Bearer {key}"} if key else {})).status_code
             for key in ("engine-key", "tenant-key", "other-key", None)}
     assert status == {"engine-key": 200, "tenant-key": 200, "other-key": 401, None: 401}
+
+
+def test_our_routes_are_matched_before_the_engines():
+    """Starlette matches a request against the routes in order: mounted on an app of many
+    routes, ours come first, each once, and the app's own follow in their order."""
+    from fastapi import FastAPI
+
+    from lora_sync.server.routes import own_paths
+    from vllm_ext.mount import PREFIX, mount
+    app = FastAPI()
+    for i in range(60):
+        app.add_api_route(f"/v1/engine_route_{i}", lambda: {}, methods=["GET"])
+    before = [r.path for r in app.router.routes]
+    mount(app)
+    paths = [r.path for r in app.router.routes]
+    ours = [p for p in paths if p in own_paths(PREFIX)]
+    assert len(ours) == len(set(ours)) >= 10
+    assert paths == ours + before

@@ -29,7 +29,7 @@ from starlette.middleware import Middleware
 from lora_sync.engines import ENGINES
 from lora_sync.server import applied, metrics
 from lora_sync.server.admission import AdmissionMiddleware, NativeRoute
-from lora_sync.server.routes import build_router, own_paths
+from lora_sync.server.routes import build_router, own_paths, put_first
 from lora_sync.server.service import AdapterService
 from lora_sync.server.settings import API_KEY_ENV, Settings, read
 
@@ -63,7 +63,9 @@ def mount(app, args=None) -> None:
     if getattr(app.state, "lora_sync_mounted", False):  # vLLM's plugin hook did it already
         return
     app.state.lora_sync_mounted = True
+    before = len(app.router.routes)
     app.include_router(build_router(PREFIX))
+    put_first(app.router.routes, before)
     admission = Middleware(
         AdmissionMiddleware, own_paths=own_paths(PREFIX),
         native_routes=[NativeRoute(*r) for r in engine_api.NATIVE_ADAPTER_ROUTES],
