@@ -550,7 +550,10 @@ forms = st.builds(
     then=st.sampled_from([None, "pipelined", "junk"])).filter(
     # Bytes after a request that closes the connection race uvicorn's own close (under
     # asyncio its reply was sometimes lost, on a body it read itself): no behaviour to match.
-    lambda f: f.then is None or not (f.connection == "close" or
+    # So do bytes the client follows with its own shutdown ("close-after"): whether the
+    # pipelined request is answered races the server's read of the end of the stream (a CI
+    # run saw the socket path's answer missing once, and there the next time).
+    lambda f: f.then is None or not (f.connection == "close" or f.delivery == "close-after" or
                                      (f.version == "1.0" and f.connection != "keep-alive")))
 
 
