@@ -863,6 +863,11 @@ class SharedServer(RuleBasedStateMachine):
             assert "x-lora-version" not in headers and (status == 404 or owner is None and form
                                                         in ("lora_path", "sagemaker")), reply
             return
+        if form == "lora_path":
+            # The fake engine reads `model` only, as vLLM does: it would serve the base model
+            # under the adapter's name, so the request is refused (server/applied.py).
+            assert error(reply) == (400, "route_ignores_adapter"), (who, model, reply)
+            return
         assert status == 200, (who, model, form, body)
         assert headers["x-lora-version"] == str(target)
         if form in ("model", "versioned"):  # the other forms: the engine may read `model`
