@@ -48,8 +48,8 @@ def put_first(routes: list, before: int) -> None:
     """Moves the routes added since `routes` had `before` entries to its front: Starlette,
     and SGLang's request metrics after it, match each request against the routes in order,
     and an engine's hundred routes ahead of ours took a visible part of every push's round
-    trip. Ours replace any upstream route on the same path, so the order decides nothing
-    else."""
+    trip. Our paths are ours alone (SGLang's same-path routes are removed first), so a route
+    of ours now also wins over any upstream pattern that would have matched it too."""
     routes[:] = routes[before:] + routes[:before]
 
 
@@ -94,9 +94,10 @@ def build_router(prefix: str = "") -> APIRouter:
         tenant = caller.label if caller and service.access.tenancy.enabled else None
 
         async def record() -> None:
-            # Once the reply is out, in the same task before the loop serves anything else
-            # (a /metrics read right after the reply sees it): the push's log line and
-            # counters took a visible part of the API process's time per push.
+            # Right after the reply is written, in the same task: no other request is read
+            # in between unless that write has to wait, so a /metrics read after the reply
+            # sees it. Before the reply, the push's log line and counters took a visible
+            # part of the API process's time per push.
             metrics.observe(route, status, body, seconds,
                             PUSH_ROUTES.get(route) or PUSH_START_ROUTES.get(route), tenant=tenant)
         body["instance_id"] = service.instance_id
