@@ -56,15 +56,23 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", l
             http="httptools")
 """
 
+# Each transfer is announced by its size, as a push's transfer is by its header: the peer
+# posts the bucket receives once it has the size, and the next size's receive at once after.
 _GLOO_PEER = r"""
 import sys, torch
 from lora_sync import collective
-port, sizes = int(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")]
-g = collective.create_group("127.0.0.1", port, 1, 2, "gloo", 120)
-buf = torch.zeros(max(sizes), dtype=torch.uint8)
-for n in sizes:
+g = collective.create_group("127.0.0.1", int(sys.argv[1]), 1, 2, "gloo", 120)
+size, buf = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.uint8)
+while True:
+    g.broadcast(size, 0)
+    n = int(size)
+    if n <= 0:
+        break
+    if buf.numel() < n:
+        buf = torch.zeros(n, dtype=torch.uint8)
     for w in [g.start_broadcast(b, 0) for b in buf[:n].split(collective.DEFAULT_BUCKET_BYTES)]:
         w.wait()
+g.shutdown()
 """
 
 
@@ -109,23 +117,53 @@ class HttpSink:
         self.proc.wait()
 
 
+class GlooPeer:
+    """A peer process in a gloo group of two with this one, receiving raw broadcasts from
+    rank 0 (this process) until closed: the transfer alone, with no lora-sync code on either
+    side. Kept open across a benchmark's rounds, it measures the floor at the moment of each
+    push (`broadcast_s` in the same round), from the same trainer process."""
+
+    def __enter__(self):
+        port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-c", _GLOO_PEER, str(port)])
+        try:
+            self.group = collective.create_group("127.0.0.1", port, 0, 2, "gloo", 120)
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        self.buf = torch.ones(0, dtype=torch.uint8)
+        return self
+
+    def broadcast_s(self, nbytes: int) -> float:
+        """One raw broadcast of `nbytes`: its size first (a push's header), then the bytes
+        in the transport's buckets, all queued at once on the group's default streams."""
+        if self.buf.numel() < nbytes:  # one buffer, reused like the peer's
+            self.buf = torch.ones(nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        self.group.broadcast(torch.tensor([nbytes], dtype=torch.int64), 0)
+        for w in [self.group.start_broadcast(b, 0)
+                  for b in self.buf[:nbytes].split(collective.DEFAULT_BUCKET_BYTES)]:
+            w.wait()
+        return time.perf_counter() - t0
+
+    def __exit__(self, *exc):
+        try:
+            self.group.broadcast(torch.zeros(1, dtype=torch.int64), 0)  # the peer's end
+            self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.group.shutdown()
+
+
 def gloo_broadcast_s(sizes: list[int], idle_s: float = 0.0) -> list[float]:
-    """Times one raw broadcast per size, from rank 0 to a peer process, each after `idle_s`
-    (the peer waits in its receive meanwhile, as a worker does): the bytes already packed
-    into the transport's buckets, all queued at once on the group's default streams."""
-    port = free_port()
-    peer = subprocess.Popen([sys.executable, "-c", _GLOO_PEER, str(port),
-                             ",".join(map(str, sizes))])
-    try:
-        g = collective.create_group("127.0.0.1", port, 0, 2, "gloo", 120)
-        out, buf = [], torch.ones(max(sizes), dtype=torch.uint8)
+    """Times one raw broadcast per size (`GlooPeer.broadcast_s`), each after `idle_s` (the
+    peer waits in its receive meanwhile, as a worker does)."""
+    with GlooPeer() as peer:
+        out = []
         for n in sizes:
             time.sleep(idle_s)
-            t0 = time.perf_counter()
-            for w in [g.start_broadcast(b, 0)
-                      for b in buf[:n].split(collective.DEFAULT_BUCKET_BYTES)]:
-                w.wait()
-            out.append(time.perf_counter() - t0)
+            out.append(peer.broadcast_s(n))
         return out
-    finally:
-        peer.wait(timeout=60)

@@ -70,6 +70,13 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
         goal = rows[(engine, "broadcast")]["goal"]
         assert goal["ratio"] == 1.5 and goal["floor_s"] > 0 and goal["budget_s"] > 0
         assert f"goal {engine} broadcast rank 8: 1.5x disk" in report
+        # the broadcast's floor per round: the raw transfer of that round, from this process
+        raws = [s["raw_transfer_s"] for s in saved["samples"]
+                if (s["engine"], s["transport"]) == (engine, "broadcast")]
+        assert len(raws) == 5 and all(r > 0 for r in raws)
+        floor = rows[(engine, "broadcast")]["x_floor_per_round"]
+        assert floor["rounds"] == 2 and floor["min"] <= floor["median"] <= floor["max"]
+        assert f"goal {engine} broadcast rank 8: within 1.3x its floor" in report
         first = rows[(engine, "shm")]["first_vs_disk_s"]
         assert first["rounds"] == 2 and first["min"] <= first["median"] <= first["max"]
         assert f"goal {engine} shm rank 8: first completion no slower" in report
