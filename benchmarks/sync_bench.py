@@ -97,8 +97,11 @@ TRAINER_CALLS = ("lease", "write")  # shm's steps before its last call
 # Measured and shown, not added: shm's copy into a ready lease runs after its commit went
 # out, inside the server's `receive` (which waits for it to seal the lease); full garbage
 # collections in the API process (`gc`) and the slowest worker (`worker_gc`) ran inside
-# whichever phases they interrupted; `engine_build` is the engine's own code inside `build`.
-WITHIN_PHASES = ("copy", "gc", "worker_gc", "engine_build")
+# whichever phases they interrupted; `engine_build` is the engine's own code inside `build`;
+# a broadcast's `header_wait` (the worker waiting on the trainer's first bytes) and
+# `transfer` (the buckets on the wire) are inside `intake`, and `pack` (the trainer's
+# packing of the buckets) runs beside them.
+WITHIN_PHASES = ("copy", "gc", "worker_gc", "engine_build", "header_wait", "transfer", "pack")
 
 
 def attribute(timings: dict, calls_s: float, total_s: float) -> dict:

@@ -13,6 +13,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -297,15 +298,19 @@ def send_transfer(group: Group, transfer: Transfer, tensors: dict, kept: dict,
 
 
 def receive_transfer(group: Group, transfer: Transfer, frames: list[torch.Tensor],
-                     src: int = 0) -> dict[str, torch.Tensor]:
+                     src: int = 0, timings_ms: dict | None = None) -> dict[str, torch.Tensor]:
     """A receiver's side: checks the header before posting any bucket receive; bucket i
     lands in `frames[i]` (`frame_bytes` long, which become the adapter's storage), its
     trailer zeroed first and checked after; returns views named like the sender's tensors.
-    FrameMismatch: the caller must drop the group (the sender is out of step)."""
+    FrameMismatch: the caller must drop the group (the sender is out of step).
+    `timings_ms` gets `header_wait` (until the sender's header was in: time spent waiting
+    on the trainer) and `transfer` (from then to the last bucket in)."""
+    t0 = time.perf_counter()
     header = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=frames[0].device
                          if frames else "cpu")
     group.broadcast(header, src)
     transfer.check_header(bytes(header.cpu().numpy()))
+    t1 = time.perf_counter()
     works = []
     for b, frame in zip(transfer.buckets, frames):
         frame[b.trailer_at:].zero_()
@@ -313,6 +318,8 @@ def receive_transfer(group: Group, transfer: Transfer, frames: list[torch.Tensor
     received = unpack_frames(transfer, frames)
     for w in works:
         w.wait()
+    if timings_ms is not None:
+        timings_ms.update(header_wait=(t1 - t0) * 1e3, transfer=(time.perf_counter() - t1) * 1e3)
     for i, (b, frame) in enumerate(zip(transfer.buckets, frames)):
         transfer.check_trailer(i, bytes(frame[b.trailer_at:].cpu().numpy()))
     return received

@@ -51,6 +51,8 @@ def test_quick_benchmark_produces_well_formed_output(vllm, sglang, model_dir, wo
         assert set(rows[(engine, "tensors")]["phases_s"]) >= {
             "client", "http", "receive", "intake", "build", "handoff", "register",
             "server_other", "total"}
+        # a broadcast's intake split: waiting on the trainer, then the wire; its packing
+        assert {"header_wait", "transfer", "pack"} <= set(rows[(engine, "broadcast")]["phases_s"])
         # the warm rounds' copy goes into a lease readied ahead, after the commit
         assert {"lease", "write", "copy"} <= set(rows[(engine, "shm")]["phases_s"])
     # Ratios to disk per round, with their spread; whether the machine was quiet.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -77,13 +78,20 @@ SHAPES = [("F32", (16, 8)), ("F32", (8, 16)), ("BF16", (3, 5)), ("F32", (7,))]
 def test_honest_transfer_round_trips_exactly(streams):
     tensors = make_tensors(SHAPES)
     transfer = collective.Transfer.plan(specs_of(tensors), 77, bucket_bytes=256)
+    timings = {}
+
+    def late_sender(g):  # the receiver waits on it: `header_wait`, not `transfer`
+        time.sleep(0.2)
+        collective.send_transfer(g, transfer, tensors, {})
     sent, got = run_pair(
-        lambda g: collective.send_transfer(g, transfer, tensors, {}),
-        lambda g: collective.receive_transfer(g, transfer, frames_for(transfer)),
+        late_sender,
+        lambda g: collective.receive_transfer(g, transfer, frames_for(transfer),
+                                              timings_ms=timings),
         streams=streams)
     assert sent is None and isinstance(got, dict), (sent, got)
     assert set(got) == set(tensors)
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+    assert timings["header_wait"] >= 150 and 0 < timings["transfer"] < timings["header_wait"]
 
 
 def test_kept_sender_frames_are_reused():

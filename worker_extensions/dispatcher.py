@@ -131,7 +131,8 @@ class LoRASyncWorker:
                                                                                   "cpu"))
             self.state.adapters[intake.adapter_id] = stored
             return {"bytes": stored.nbytes,
-                    "timings_ms": {"intake": (t1 - t0) * 1e3, "checks": (t2 - t1) * 1e3,
+                    "timings_ms": {**received.timings_ms,
+                                   "intake": (t1 - t0) * 1e3, "checks": (t2 - t1) * 1e3,
                                    "engine_build": stored.engine_build_ms,
                                    "build": (time.perf_counter() - t2) * 1e3}}
         if notice_paths is None:

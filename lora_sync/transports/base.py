@@ -265,6 +265,7 @@ class Received:
     buffers: list = field(default_factory=list)
     # the tensors view memory this worker must not write (a sealed lease, a staged body)
     read_only: bool = False
+    timings_ms: dict = field(default_factory=dict)  # parts of the intake, for the reply
 
 
 # -- the plug-in ------------------------------------------------------------------------

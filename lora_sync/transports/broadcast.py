@@ -163,6 +163,7 @@ class Outgoing:
     copy: PackedCopy | None = None  # with SendContext.keep: the frames, once all are packed
     sender: threading.Thread | None = None  # packs and sends; started by `start`
     started: bool = False
+    pack_ms: float | None = None  # the sender's packing of every bucket (beside the wire)
     _start_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def mark_packed(self, copy: PackedCopy | None) -> None:
@@ -431,6 +432,7 @@ class BroadcastTransport(Transport):
             frames = {"frames": ctx.spare} if ctx.spare is not None else {}
 
         def packed():  # views of the copy, made while the frames are on the wire
+            out.pack_ms = (time.perf_counter() - began) * 1e3
             copy = None
             if kept:
                 views = collective.unpack_frames(transfer,
@@ -438,7 +440,11 @@ class BroadcastTransport(Transport):
                 copy = PackedCopy({k: views[k] for k in adapter.tensors}, frames["frames"])
             out.mark_packed(copy)
 
+        began = 0.0
+
         def send():
+            nonlocal began
+            began = time.perf_counter()
             try:
                 collective.send_transfer(group.pg, transfer, adapter.tensors, frames,
                                          group.device, packed=packed)
@@ -462,8 +468,11 @@ class BroadcastTransport(Transport):
         reply, _ = http.call("POST", server.route(LOAD_ROUTE),
                              headers=with_protocol(ctx.headers), json_body=body,
                              timeout=out.group.timeout_s + REPLY_GRACE_S, on_sent=out.start)
-        return PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
-                                     ctx.version)
+        result = PushResult.from_reply(server.url, reply, time.perf_counter() - t0, ctx.name,
+                                       ctx.version)
+        if out.pack_ms is not None:  # trainer side, beside the workers' `transfer`
+            reply.setdefault("timings_ms", {})["pack"] = out.pack_ms
+        return result
 
     def finish(self, out: Outgoing, results: list) -> PackedCopy | None:
         out.start()  # no request left (every server failed first): the copy is still packed
@@ -577,7 +586,8 @@ class BroadcastTransport(Transport):
             transfer = layout.transfer(args["transfer_id"], args["bucket_bytes"])
             buffers = [pool.take_buffer(torch.uint8, b.frame_bytes, device)
                        for b in transfer.buckets]
-            tensors = collective.receive_transfer(pg, transfer, buffers)
+            timings = {}
+            tensors = collective.receive_transfer(pg, transfer, buffers, timings_ms=timings)
             if len(transfer.buckets) > 1 and any(b.dtype != transfer.buckets[0].dtype
                                                  for b in transfer.buckets):
                 # buckets group the tensors by dtype: back to the declared order, the order
@@ -595,4 +605,4 @@ class BroadcastTransport(Transport):
             tensors = {k: v.cpu() for k, v in tensors.items()}
             pool.keep_spares(buffers)
             buffers = []
-        return Received(tensors, transfer.nbytes, buffers)
+        return Received(tensors, transfer.nbytes, buffers, timings_ms=timings)
