@@ -62,6 +62,8 @@ from lora_sync.adapter import MAX_TARGETS
 from lora_sync.trainer.fleet import FleetMemory
 from lora_sync.transports.base import PROTOCOL_HEADER, PROTOCOL_VERSION
 
+from benchmarks.sync_bench import ENGINES_OWN  # the engine's registration and its own build
+
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "large-adapter-bench-key"
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
@@ -635,7 +637,6 @@ def server_overhead(rows: list[dict]) -> list[dict]:
 
 PHASE_KEYS = ("receive", "intake", "checks", "build", "engine_build", "register",
               "server_other", "client", "total")
-ENGINES_OWN = ("register", "engine_build")  # the engine's registration and its own build
 
 
 def phase_table(rows: list[dict]) -> str:

@@ -43,6 +43,8 @@ LIMITS = {"tensors": (("http_post", "x_limit"), ("asgi_post", "x_asgi_limit")),
 IDLE_S = 1.2
 # Issue #22's goals at the largest rank: each transport's speed-up over the disk route.
 GOALS = {"shm": 2.0, "broadcast": 1.5, "tensors": 1.2}
+# Issue #55: a goal holds with this margin (a machine slower by the margin must meet it too).
+MARGIN = 1.15
 # Issue #55's goal for the broadcast: within this multiple of its floor (the raw transfer of
 # the same bytes in the same round plus the engine's registration).
 FLOOR_GOAL = 1.3
@@ -93,6 +95,9 @@ def sync_once(client: LoRASyncClient, transport: str, adapter: LoRAAdapter, name
 
 SERVER_PHASES = ("settle", "receive", "wait", "worker", "handoff", "register")
 WORKER_PARTS = ("intake", "checks", "build")
+# The engine's own time in a push, what any path pays once the bytes are in: its registration
+# (from the API process: the engine's load call) and its build of its LoRA object.
+ENGINES_OWN = ("register", "engine_build")
 TRAINER_CALLS = ("lease", "write")  # shm's steps before its last call
 # Measured and shown, not added: shm's copy into a ready lease runs after its commit went
 # out, inside the server's `receive` (which waits for it to seal the lease); full garbage
@@ -495,7 +500,7 @@ def summarize(samples: list[dict]) -> list[dict]:
                                         "max": max(ratios), "rounds": len(ratios)}
         disk = med.get((engine, "disk", rank), {}).get("total")
         tens = med.get((engine, "tensors", rank), {})
-        registration = sum(tens.get(k, 0) for k in (*WORKER_PARTS, "worker_other", "register"))
+        registration = sum(tens.get(k, 0) for k in ENGINES_OWN)
         if row["engine"] != "raw" and disk:
             row["speedup_over_disk"] = disk / row["median_s"]
         for raw, key in LIMITS.get(row["transport"], ()):
@@ -523,22 +528,24 @@ def summarize(samples: list[dict]) -> list[dict]:
             if outside:
                 row["first_vs_disk_s"]["outside_engine"] = {
                     "median": _median(outside), "min": min(outside), "max": max(outside)}
-        paired = [(s["phases"]["total"], s["raw_transfer_s"]) for s in warm
-                  if s.get("raw_transfer_s")]
+        paired = [(s["phases"]["total"], s["raw_transfer_s"],
+                   sum(s["phases"].get(k, 0.0) for k in ENGINES_OWN))
+                  for s in warm if s.get("raw_transfer_s")]
         if paired:
-            # Per round: the push against the raw transfer of that round plus the engine's
-            # registration (the run's median).
-            ratios = [total / (raw + registration) for total, raw in paired]
+            # Per round: the push against its floor at that moment, the raw transfer of the
+            # same round plus the engine's own time in this very push.
+            ratios = [total / (raw + engine_s) for total, raw, engine_s in paired]
             row["x_floor_per_round"] = {"median": _median(ratios), "min": min(ratios),
                                         "max": max(ratios), "rounds": len(ratios),
-                                        "raw_s": _median([raw for _, raw in paired]),
-                                        "registration_s": registration,
+                                        "raw_s": _median([p[1] for p in paired]),
+                                        "registration_s": _median([p[2] for p in paired]),
                                         "met": _median(ratios) <= FLOOR_GOAL}
         goal = GOALS.get(row["transport"])
         if goal and disk and "speedup_per_round" in row:
             # The floor is the raw transfer plus the engine's own work: a goal whose time
             # budget is below it cannot be met on this machine, whatever lora-sync does.
             row["goal"] = {"ratio": goal, "budget_s": disk / goal,
+                           "margin_budget_s": disk / (goal * MARGIN),
                            "met": row["speedup_per_round"]["median"] >= goal,
                            "floor_s": row.get("limit_s"),
                            "floor_within_budget": row.get("limit_s", math.inf) <= disk / goal}
@@ -556,7 +563,9 @@ def goals_report(rows: list[dict]) -> str:
         floor = (f"floor {g['floor_s'] * 1e3:.1f} ms = raw transfer "
                  f"{(g['floor_s'] - r['registration_s']) * 1e3:.1f} + engine "
                  f"{r['registration_s'] * 1e3:.1f}, "
-                 f"{'within' if g['floor_within_budget'] else 'ABOVE'} the budget"
+                 f"{'within' if g['floor_within_budget'] else 'ABOVE'} the budget "
+                 f"({'within' if g['floor_s'] <= g['margin_budget_s'] else 'ABOVE'} the "
+                 f"{(MARGIN - 1) * 100:.0f}% margin's {g['margin_budget_s'] * 1e3:.1f} ms)"
                  if g["floor_s"] else "floor not measured")
         lines.append(f"goal {r['engine']} {r['transport']} rank {r['rank']}: "
                      f"{g['ratio']:.1f}x disk needs <= {g['budget_s'] * 1e3:.1f} ms; median "
