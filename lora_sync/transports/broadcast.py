@@ -431,7 +431,7 @@ class BroadcastTransport(Transport):
         if kept:  # the client's spare, or a new buffer
             frames = {"frames": ctx.spare} if ctx.spare is not None else {}
 
-        def packed():  # views of the copy, made while the frames are on the wire
+        def packed(began: float):  # views of the copy, made while the frames are on the wire
             out.pack_ms = (time.perf_counter() - began) * 1e3
             copy = None
             if kept:
@@ -440,14 +440,11 @@ class BroadcastTransport(Transport):
                 copy = PackedCopy({k: views[k] for k in adapter.tensors}, frames["frames"])
             out.mark_packed(copy)
 
-        began = 0.0
-
         def send():
-            nonlocal began
-            began = time.perf_counter()
             try:
                 collective.send_transfer(group.pg, transfer, adapter.tensors, frames,
-                                         group.device, packed=packed)
+                                         group.device,
+                                         packed=functools.partial(packed, time.perf_counter()))
             except BaseException as e:
                 out.errors.append(e)
             finally:
